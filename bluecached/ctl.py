@@ -1,0 +1,171 @@
+"""bluecachectl: the operator's command line for bluecached."""
+
+import argparse
+import json
+import stat
+import sys
+import time
+from pathlib import Path
+
+from . import curve, protocol
+from .client import RemoteError, SyncClient
+
+DEFAULT_STATE_DIR = "/var/lib/bluecache"
+
+
+def _size(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{n} B"
+        n /= 1024
+    return str(n)
+
+
+def _client(args) -> SyncClient:
+    if args.endpoint:
+        keys = None
+        if args.endpoint.startswith("tcp://"):
+            keys = curve.client_keys(Path(args.curve_dir), args.curve_name)
+        return SyncClient(args.endpoint, keys, timeout=args.timeout)
+    return SyncClient(protocol.state_dir_endpoints(args.state_dir)["control"],
+                      timeout=args.timeout)
+
+
+def cmd_status(client, args) -> int:
+    status = client.call("status")
+    if args.json:
+        print(json.dumps(status))
+        return 0
+    print(f"bluecached {status['version']} (pid {status['pid']}): {status['summary']}")
+    for key in ("engine", "control", "events", "state_dir", "nvme_path", "o_direct",
+                "write_policy", "durability", "sessions"):
+        print(f"  {key:13} {status[key]}")
+    return 0
+
+
+def cmd_stats(client, args) -> int:
+    stats = client.call("stats")
+    if args.json:
+        print(json.dumps(stats))
+        return 0
+    print(f"{'tier':6} {'bytes':>12} {'capacity':>12} {'objects':>9} {'hits':>9} "
+          f"{'misses':>9} {'evictions':>9}")
+    for name, t in stats["tiers"].items():
+        print(f"{name:6} {_size(t['bytes']):>12} {_size(t['capacity_bytes']):>12} "
+              f"{t['objects']:>9} {t['hits']:>9} {t['misses']:>9} {t['evictions']:>9}")
+    for key in ("files", "dirty_bytes", "checksum_failures", "writeback_failures",
+                "tmp_collected", "open_handles", "regions", "requests", "bad_messages"):
+        value = stats[key]
+        print(f"{key:19} {_size(value) if key.endswith('bytes') else value}")
+    return 0
+
+
+def cmd_ls(client, args) -> int:
+    for e in client.call("ls", path=args.path)["entries"]:
+        name = e["name"].decode(errors="replace")
+        kind = "d" if stat.S_ISDIR(e["mode"]) else "-"
+        when = time.strftime("%Y-%m-%d %H:%M", time.localtime(e["atime_ns"] / 1e9))
+        print(f"{kind}{stat.filemode(e['mode'])[1:]} {e['size']:>12} {when} {e['tier']:9} {name}")
+    return 0
+
+
+def cmd_du(client, args) -> int:
+    u = client.call("du", path=args.path)
+    if args.json:
+        print(json.dumps(u))
+        return 0
+    print(f"{_size(u['bytes'])} in {u['files']} files, {u['dirs']} directories "
+          f"(dram {_size(u['dram_bytes'])}, nvme {_size(u['nvme_bytes'])}, "
+          f"{u['dirty']} not yet on nvme)  {args.path}")
+    return 0
+
+
+def cmd_evict(client, args) -> int:
+    if not args.all and not args.path:
+        print("bluecachectl evict: give a PATH or --all", file=sys.stderr)
+        return 2
+    r = client.call("evict", all=True) if args.all else client.call("evict", path=args.path)
+    print(f"removed {r['removed']} files" +
+          (f"; {r['skipped_open']} open files kept" if r["skipped_open"] else ""))
+    return 0
+
+
+def cmd_verify(client, args) -> int:
+    progress = client.call("verify", start=True)
+    tty = sys.stderr.isatty()
+    while progress["running"]:
+        done, total = progress["done"], max(progress["total"], 1)
+        bar = "#" * (30 * done // total)
+        line = (f"\rverifying [{bar:<30}] {done}/{progress['total']} objects, "
+                f"{_size(progress['bytes'])}, {progress['failed']} failed")
+        print(line if tty else line.strip(), end="" if tty else "\n", file=sys.stderr, flush=True)
+        time.sleep(0.2 if tty else 2)
+        progress = client.call("verify")
+    if tty:
+        print(file=sys.stderr)
+    print(f"verified {progress['done']} objects ({_size(progress['bytes'])}): "
+          f"{progress['failed']} failed checksum and were removed")
+    return 1 if progress["failed"] else 0
+
+
+def cmd_keygen(args) -> int:
+    curve_dir = Path(args.curve_dir)
+    public, secret = curve.generate(curve_dir, args.name)
+    print(f"wrote {public} and {secret}")
+    if args.name == "server":
+        (curve_dir / "clients").mkdir(exist_ok=True)
+    return 0
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="bluecachectl", description="Operate bluecached.")
+    p.add_argument("--state-dir", default=DEFAULT_STATE_DIR,
+                   help=f"the daemon's state directory, where its sockets are "
+                        f"(default {DEFAULT_STATE_DIR})")
+    p.add_argument("--endpoint", help="talk to a daemon at this endpoint instead "
+                                      "(tcp://HOST:PORT uses CURVE keys from --curve-dir)")
+    p.add_argument("--curve-dir", default="/etc/bluecache/curve")
+    p.add_argument("--curve-name", default="client", help="this client's key pair name")
+    p.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for a reply")
+    sub = p.add_subparsers(dest="command", required=True)
+    s = sub.add_parser("status", help="what is running and how full it is")
+    s.add_argument("--json", action="store_true")
+    s = sub.add_parser("stats", help="per-tier bytes, objects, hits, misses, evictions")
+    s.add_argument("--json", action="store_true", help="one JSON object")
+    s = sub.add_parser("ls", help="list a directory of the cache with each file's tier")
+    s.add_argument("path", nargs="?", default="/")
+    s = sub.add_parser("du", help="bytes and files below a path, per tier")
+    s.add_argument("path", nargs="?", default="/")
+    s.add_argument("--json", action="store_true")
+    s = sub.add_parser("evict", help="remove a file or a directory's files from the cache")
+    s.add_argument("path", nargs="?")
+    s.add_argument("--all", action="store_true", help="everything that is not open")
+    sub.add_parser("verify", help="re-check every checksum on NVMe (removes bad objects)")
+    s = sub.add_parser("keygen", help="create a CURVE key pair for the tcp:// link")
+    s.add_argument("--name", default="server", help="'server' on the DPU, a host name on hosts")
+    return p
+
+
+COMMANDS = {"status": cmd_status, "stats": cmd_stats, "ls": cmd_ls, "du": cmd_du,
+            "evict": cmd_evict, "verify": cmd_verify}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    try:
+        if args.command == "keygen":
+            return cmd_keygen(args)
+        client = _client(args)
+        try:
+            return COMMANDS[args.command](client, args)
+        finally:
+            client.close()
+    except (RemoteError, curve.CurveError) as e:
+        print(f"bluecachectl {args.command}: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

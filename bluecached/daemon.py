@@ -1,0 +1,303 @@
+"""bluecached: process entry, service startup order, signals, sd_notify.
+
+Startup: config -> index rebuild -> sockets -> services started one by one (each reports
+ready through nursery.start) -> READY=1. SIGTERM/SIGINT: STOPPING=1, stop serving, write every
+dirty object behind, checkpoint the index. SIGHUP reloads what can change live.
+"""
+
+import argparse
+import logging
+import os
+import signal
+import sys
+from pathlib import Path
+
+import sdnotify
+import trio
+import zmq
+
+from . import __version__, config, curve, metrics, protocol
+from .dma import RegionTable, make_engine
+from .dma.loopback import serve_regions
+from .dram import DramPool
+from .journal import Journal, JournalError
+from .nvme import SegmentStore
+from .server import ControlServer
+from .store import Store
+from .tiers import Tiers, Watermarks
+from .verify import Verifier
+from .zmqpump import SocketPump
+
+log = logging.getLogger("bluecached")
+DEFAULT_CONFIG = Path("/etc/bluecache/bluecached.yaml")
+WRITEBACK_WORKERS = 2
+
+
+class StartupError(Exception):
+    """A problem the operator must fix; logged as one line, no traceback."""
+
+
+def build_store(cfg, engine) -> Store:
+    nvme_cfg = cfg.tiers.nvme
+    durable = cfg.durability == "fsync"
+    nvme = journal = None
+    if nvme_cfg.size:
+        try:
+            nvme = SegmentStore(Path(nvme_cfg.path), nvme_cfg.size, nvme_cfg.segment_size,
+                                nvme_cfg.o_direct, durable)
+            journal = Journal(Path(nvme_cfg.path), durable)
+        except OSError as e:
+            raise StartupError(f"NVMe tier at {nvme_cfg.path}: {e}") from None
+    dram = cfg.tiers.dram
+    tiers = Tiers(DramPool(dram.size), Watermarks(dram.high_watermark, dram.low_watermark),
+                  nvme, Watermarks(nvme_cfg.high_watermark, nvme_cfg.low_watermark),
+                  journal, cfg.write_policy == "write-through", cfg.journal_max_bytes,
+                  remove_object=lambda node, reason: store.remove_object(node, reason))
+    store = Store(tiers, engine, tmp_max_age=cfg.tmp_max_age)
+    return store
+
+
+class Daemon:
+    def __init__(self, cfg, config_path: Path | None):
+        self.cfg = cfg
+        self.config_path = config_path
+        self.notifier = sdnotify.SystemdNotifier()
+        self.engine = make_engine(cfg.engine)
+        self.regions = RegionTable(self.engine)
+        self.store = build_store(cfg, self.engine)
+        self.verifier = Verifier(self.store)
+        self.server: ControlServer | None = None
+        self.events: SocketPump | None = None
+        self._auth = None
+
+    # -- reporting -------------------------------------------------------------------------
+
+    def stats(self) -> dict:
+        tiers = self.store.tiers
+        dram = {"bytes": tiers.dram.used_bytes, "capacity_bytes": tiers.dram.capacity,
+                "objects": len(tiers.lru_dram), **tiers.stats.dram.as_dict()}
+        out = {"tiers": {"dram": dram}}
+        if tiers.nvme is not None:
+            out["tiers"]["nvme"] = {"bytes": tiers.nvme.used_bytes,
+                                    "capacity_bytes": tiers.nvme.capacity,
+                                    "objects": len(tiers.lru_nvme),
+                                    **tiers.stats.nvme.as_dict()}
+        server = self.server
+        out.update(
+            files=sum(1 for n in self.store.ns.inodes.values() if not n.is_dir),
+            dirty_bytes=tiers.dirty_bytes,
+            checksum_failures=tiers.stats.checksum_failures,
+            writeback_failures=tiers.stats.writeback_failures,
+            tmp_collected=tiers.stats.tmp_collected,
+            requests=server.requests if server else 0,
+            bad_messages=server.bad_messages if server else 0,
+            open_handles=len(self.store.handles),
+            regions=len(self.regions))
+        return out
+
+    def status(self) -> dict:
+        cfg = self.cfg
+        tiers = self.store.tiers
+        return {"version": __version__, "pid": os.getpid(), "engine": self.engine.name,
+                "state_dir": str(cfg.state_dir), "control": self.endpoints["control"],
+                "events": self.endpoints["events"],
+                "write_policy": cfg.write_policy, "durability": cfg.durability,
+                "o_direct": bool(tiers.nvme and tiers.nvme.o_direct),
+                "nvme_path": str(cfg.tiers.nvme.path) if tiers.nvme else None,
+                "sessions": len(self.server.sessions) if self.server else 0,
+                "verify": self.verifier.progress(), "summary": self.summary()}
+
+    def summary(self) -> str:
+        tiers = self.store.tiers
+        gib = 1 << 30
+        text = (f"{sum(1 for n in self.store.ns.inodes.values() if not n.is_dir)} files; "
+                f"dram {tiers.dram.used_bytes / gib:.1f}/{tiers.dram.capacity / gib:.1f} GiB")
+        if tiers.nvme is not None:
+            text += f"; nvme {tiers.nvme.used_bytes / gib:.1f}/{tiers.nvme.capacity / gib:.1f} GiB"
+        return text + f"; engine {self.engine.name}"
+
+    # -- sockets ---------------------------------------------------------------------------
+
+    def _bind(self, sock: zmq.Socket, listen: str, name: str) -> str:
+        cfg = self.cfg
+        if listen == "ipc":
+            endpoint = protocol.state_dir_endpoints(cfg.state_dir)[name]
+            old = os.umask(0o177)  # socket file mode 0600: local root (hostd) only
+            try:
+                sock.bind(endpoint)
+            finally:
+                os.umask(old)
+            return endpoint
+        if self._auth is None:
+            try:
+                self._auth = curve.secure_server(self.ctx, sock, Path(cfg.control.curve_dir))
+            except curve.CurveError as e:
+                raise StartupError(str(e)) from None
+        else:
+            self._configure_curve(sock)
+        try:
+            sock.bind(listen)
+        except zmq.ZMQError as e:
+            raise StartupError(f"cannot listen on {listen}: {e}") from None
+        return listen
+
+    def _configure_curve(self, sock: zmq.Socket) -> None:
+        public, secret = zmq.auth.load_certificate(
+            str(Path(self.cfg.control.curve_dir) / "server.key_secret"))
+        sock.curve_secretkey, sock.curve_publickey, sock.curve_server = secret, public, True
+
+    def open_sockets(self) -> None:
+        cfg = self.cfg
+        Path(cfg.state_dir).mkdir(mode=0o700, parents=True, exist_ok=True)
+        self.ctx = zmq.Context()
+        self.router = self.ctx.socket(zmq.ROUTER)
+        self.router.setsockopt(zmq.LINGER, 0)
+        # zmq drops a peer that sends more than this; the decoder's own limit (with a log line
+        # and an error reply) is the one clients normally meet.
+        self.router.setsockopt(zmq.MAXMSGSIZE, 4 * cfg.control.max_message_bytes)
+        self.publisher = self.ctx.socket(zmq.PUB)
+        self.publisher.setsockopt(zmq.LINGER, 0)
+        self.endpoints = {"control": self._bind(self.router, cfg.control.listen, "control"),
+                          "events": self._bind(self.publisher, cfg.control.events, "events")}
+
+    def close_sockets(self) -> None:
+        self.router.close()
+        self.publisher.close()
+        if self._auth is not None:
+            self._auth.stop()
+        self.ctx.term()
+
+    def publish(self, event: str, **fields) -> None:
+        if self.events is not None:
+            self.events.send(protocol.encode_event(event.encode(), fields))
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        cfg = self.cfg
+        try:
+            await trio.to_thread.run_sync(self.store.load)
+        except JournalError as e:
+            raise StartupError(str(e)) from None
+        self.store.publish = self.publish
+        self.open_sockets()
+        try:
+            with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as sigs:
+                async with trio.open_nursery() as services:
+                    await self._start_services(services)
+                    self.notifier.notify(f"READY=1\nSTATUS={self.summary()}")
+                    log.info("serving on %s (events %s); %s", self.endpoints["control"],
+                             self.endpoints["events"], self.summary())
+                    async for signum in sigs:
+                        if signum == signal.SIGHUP:
+                            self.reload()
+                            continue
+                        log.info("%s: stopping", signal.Signals(signum).name)
+                        self.notifier.notify("STOPPING=1")
+                        services.cancel_scope.cancel()
+                        break
+            await self.shutdown()
+        finally:
+            self.close_sockets()
+
+    async def _start_services(self, services: trio.Nursery) -> None:
+        cfg = self.cfg
+        self.server = ControlServer(self.store, self.regions, self.status, self.stats,
+                                    self.verifier, cfg.control.max_message_bytes)
+        await services.start(self.server.run, self.router)
+        self.events = SocketPump(self.publisher)
+        services.start_soon(self.events.run)
+        await services.start(serve_regions,
+                             protocol.state_dir_endpoints(cfg.state_dir)["regions"], self.regions)
+        if cfg.metrics.listen:
+            try:
+                await services.start(metrics.serve, cfg.metrics.listen, self.stats)
+            except OSError as e:
+                raise StartupError(f"metrics endpoint {cfg.metrics.listen}: {e}") from None
+        tiers = self.store.tiers
+        for _ in range(WRITEBACK_WORKERS if tiers.nvme else 0):
+            services.start_soon(tiers.writeback_worker)
+        services.start_soon(tiers.evictor)
+        services.start_soon(self.store.maintain)
+        services.start_soon(self._report_status)
+        tiers.kick_writeback_all()
+
+    async def _report_status(self) -> None:
+        usec = int(os.environ.get("WATCHDOG_USEC", "0") or 0)
+        watchdog = usec and int(os.environ.get("WATCHDOG_PID", os.getpid())) == os.getpid()
+        interval = min(5.0, usec / 2e6) if watchdog else 5.0
+        while True:
+            message = f"STATUS={self.summary()}"
+            if watchdog:
+                message += "\nWATCHDOG=1"
+            self.notifier.notify(message)
+            await trio.sleep(interval)
+
+    def reload(self) -> None:
+        try:
+            new = config.load_config(self.config_path)
+        except config.ConfigError as e:
+            log.error("reload refused, keeping the running configuration: %s", e)
+            return
+        live, restart = config.reload_changes(self.cfg, new)
+        tiers = self.store.tiers
+        for key, value in live.items():
+            if key == "log_level":
+                logging.getLogger().setLevel(value.upper())
+            elif key.startswith("tiers.dram."):
+                setattr(tiers.dram_marks, key.rsplit(".", 1)[1].split("_")[0], value)
+            elif key.startswith("tiers.nvme."):
+                setattr(tiers.nvme_marks, key.rsplit(".", 1)[1].split("_")[0], value)
+        for key in restart:
+            log.warning("reload: %s changed but needs a restart to take effect", key)
+        self.cfg = new if not restart else self.cfg
+        log.info("reloaded %s: %s", self.config_path or "defaults",
+                 ", ".join(f"{k}={v}" for k, v in live.items()) or "nothing changed live")
+        tiers._pressure.set()
+
+    async def shutdown(self) -> None:
+        with trio.CancelScope(shield=True):
+            await self.store.flush_all()
+            self.store.checkpoint()
+            tiers = self.store.tiers
+            if tiers.nvme is not None:
+                tiers.nvme.close()
+            if tiers.journal is not None:
+                tiers.journal.close()
+            log.info("stopped cleanly; %s", self.summary())
+
+
+def _setup_logging(level: str) -> None:
+    under_systemd = "JOURNAL_STREAM" in os.environ or "INVOCATION_ID" in os.environ
+    fmt = "%(levelname)s %(name)s: %(message)s" if under_systemd else \
+        "%(asctime)s %(levelname)s %(name)s: %(message)s"
+    logging.basicConfig(level=level.upper(), format=fmt, stream=sys.stderr)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="bluecached", description="bluecache cache daemon")
+    parser.add_argument("--config", type=Path, help=f"config file (default {DEFAULT_CONFIG} "
+                        "if it exists, else built-in defaults)")
+    parser.add_argument("--version", action="version", version=f"bluecached {__version__}")
+    args = parser.parse_args(argv)
+    path = args.config if args.config else (DEFAULT_CONFIG if DEFAULT_CONFIG.exists() else None)
+    try:
+        cfg = config.load_config(path)
+    except config.ConfigError as e:
+        print(f"bluecached: {e}", file=sys.stderr)
+        return 2
+    _setup_logging(cfg.log_level)
+    try:
+        daemon = Daemon(cfg, path)
+        trio.run(daemon.run, strict_exception_groups=True)
+    except* StartupError as group:
+        for e in group.exceptions:
+            log.error("cannot start: %s", e)
+        return 1
+    except* KeyboardInterrupt:
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

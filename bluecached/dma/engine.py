@@ -1,0 +1,106 @@
+"""The DMA engine interface.
+
+A region is client memory the engine can reach (loopback: a shared memfd; DOCA: a host export
+imported on the DPU). The store hands the engine lists of its own buffers; the engine moves the
+bytes between those and a region, and nothing else touches them.
+"""
+
+import errno
+import itertools
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+
+
+class DmaError(OSError):
+    """Carries the errno a client gets for a bad region or a failed transfer."""
+
+    def __init__(self, err: int, message: str):
+        super().__init__(err, message)
+
+
+class Region:
+    __slots__ = ("id", "length", "kind", "owner", "refs", "closed", "__weakref__", "handle")
+
+    def __init__(self, length: int, kind: str, handle, owner=None):
+        self.id = 0
+        self.length = length
+        self.kind = kind
+        self.owner = owner
+        self.handle = handle   # engine-specific: loopback keeps the mapping here
+        self.refs = 0          # transfers in flight
+        self.closed = False
+
+    def check_span(self, offset: int, length: int) -> None:
+        if offset < 0 or length < 0 or offset + length > self.length:
+            raise DmaError(errno.EFAULT, f"span {offset}+{length} is outside region {self.id} "
+                                         f"of {self.length} bytes")
+
+
+class DmaEngine(ABC):
+    name: str
+
+    @abstractmethod
+    def register(self, source, owner=None) -> Region:
+        """Makes client memory reachable. `source` is engine-specific."""
+
+    @abstractmethod
+    def release(self, region: Region) -> None:
+        """Frees what register took; called once no transfer uses the region."""
+
+    @abstractmethod
+    async def to_store(self, region: Region, offset: int, dst: Sequence[memoryview]) -> None:
+        """Region bytes [offset, offset + sum(len(dst))) into the store buffers `dst`."""
+
+    @abstractmethod
+    async def from_store(self, src: Sequence[memoryview], region: Region, offset: int) -> None:
+        """Store buffers `src` into the region starting at `offset`."""
+
+
+class RegionTable:
+    """Live regions by id. A region unregistered while a transfer uses it is released when the
+    last transfer ends, so a client that goes away mid-copy cannot pull memory from under it."""
+
+    def __init__(self, engine: DmaEngine):
+        self.engine = engine
+        self._regions: dict[int, Region] = {}
+        self._ids = itertools.count(1)
+
+    def __len__(self) -> int:
+        return len(self._regions)
+
+    def add(self, region: Region) -> Region:
+        region.id = next(self._ids)
+        self._regions[region.id] = region
+        return region
+
+    def get(self, region_id: int) -> Region:
+        region = self._regions.get(region_id)
+        if region is None:
+            raise DmaError(errno.EINVAL, f"no registered region {region_id}")
+        return region
+
+    def remove(self, region_id: int, owner=None) -> None:
+        region = self.get(region_id)
+        if owner is not None and region.owner is not owner:
+            raise DmaError(errno.EPERM, f"region {region_id} belongs to another client")
+        del self._regions[region_id]
+        region.closed = True
+        if not region.refs:
+            self.engine.release(region)
+
+    def remove_owner(self, owner) -> int:
+        ids = [r.id for r in self._regions.values() if r.owner is owner]
+        for region_id in ids:
+            self.remove(region_id)
+        return len(ids)
+
+    def acquire(self, region_id: int, offset: int, length: int) -> Region:
+        region = self.get(region_id)
+        region.check_span(offset, length)
+        region.refs += 1
+        return region
+
+    def done(self, region: Region) -> None:
+        region.refs -= 1
+        if region.closed and not region.refs:
+            self.engine.release(region)

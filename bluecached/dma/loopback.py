@@ -1,0 +1,145 @@
+"""The loopback engine (embedded mode): regions are memfds shared with the client.
+
+hostd passes each memfd over `<state_dir>/dma.sock` (SCM_RIGHTS); the daemon maps it and copies
+with memcpy. The memfd must be sealed against shrinking: a client that truncated a mapped file
+would make the daemon fault (SIGBUS) on the next copy.
+"""
+
+import array
+import contextlib
+import errno
+import fcntl
+import logging
+import mmap
+import os
+import socket
+
+import msgpack
+import trio
+
+from .engine import DmaEngine, DmaError, Region
+
+MAX_REGION = 1 << 40
+
+
+class LoopbackEngine(DmaEngine):
+    name = "loopback"
+
+    def register(self, source, owner=None) -> Region:
+        """source: (fd, length). The fd is the caller's to close."""
+        fd, length = source
+        if not 0 < length <= MAX_REGION or length % mmap.PAGESIZE:
+            raise DmaError(errno.EINVAL, f"region length {length} must be a positive multiple "
+                                         f"of {mmap.PAGESIZE}")
+        try:
+            seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+            size = os.fstat(fd).st_size
+        except OSError as e:
+            raise DmaError(errno.EBADF, f"region fd is not a sealable memfd: {e.strerror}") from None
+        if not seals & fcntl.F_SEAL_SHRINK:
+            raise DmaError(errno.EINVAL, "region memfd must be sealed with F_SEAL_SHRINK")
+        if size < length:
+            raise DmaError(errno.EINVAL, f"region memfd holds {size} bytes, {length} claimed")
+        mapping = mmap.mmap(fd, length, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        return Region(length, "memfd", (mapping, memoryview(mapping)), owner)
+
+    def release(self, region: Region) -> None:
+        mapping, view = region.handle
+        view.release()
+        mapping.close()
+
+    async def to_store(self, region, offset, dst) -> None:
+        src = region.handle[1]
+        for d in dst:
+            n = len(d)
+            d[:] = src[offset:offset + n]
+            offset += n
+
+    async def from_store(self, src, region, offset) -> None:
+        dst = region.handle[1]
+        for s in src:
+            n = len(s)
+            dst[offset:offset + n] = s
+            offset += n
+
+
+# -- region registration over a unix socket ------------------------------------------------
+
+
+log = logging.getLogger("bluecached.dma")
+_FD_SPACE = socket.CMSG_SPACE(4 * array.array("i").itemsize)
+
+
+def _received_fds(ancdata) -> list[int]:
+    fds = array.array("i")
+    for level, kind, data in ancdata:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            fds.frombytes(data[: len(data) - len(data) % fds.itemsize])
+    return list(fds)
+
+
+async def _serve_connection(conn, table) -> None:
+    """One client connection: its regions live until it closes."""
+    owner = object()
+    try:
+        while True:
+            data, ancdata, _flags, _addr = await conn.recvmsg(4096, _FD_SPACE)
+            fds = _received_fds(ancdata)
+            try:
+                if not data:
+                    return
+                reply = _handle(table, owner, data, fds)
+            finally:
+                for fd in fds:
+                    os.close(fd)
+            await conn.send(msgpack.packb(reply, use_bin_type=True))
+    except OSError as e:
+        log.info("region client went away: %s", e)
+    finally:
+        released = table.remove_owner(owner)
+        if released:
+            log.info("released %d regions of a closed client connection", released)
+        conn.close()
+
+
+def _handle(table, owner, data: bytes, fds: list[int]) -> dict:
+    try:
+        msg = msgpack.unpackb(data, raw=False)
+        if type(msg) is not dict:
+            raise DmaError(errno.EBADMSG, "region request is not a map")
+        op = msg.get("op")
+        if op == "register":
+            if len(fds) != 1 or type(msg.get("length")) is not int:
+                raise DmaError(errno.EINVAL, "register takes one fd and an integer length")
+            region = table.add(table.engine.register((fds[0], msg["length"]), owner))
+            return {"ok": True, "region": region.id, "length": region.length}
+        if op == "unregister" and type(msg.get("region")) is int:
+            table.remove(msg["region"], owner)
+            return {"ok": True}
+        raise DmaError(errno.EINVAL, f"unknown region request {op!r}")
+    except DmaError as e:
+        return {"ok": False, "errno": e.errno, "error": e.strerror}
+    except (ValueError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError) as e:
+        return {"ok": False, "errno": errno.EBADMSG, "error": f"undecodable request: {e}"}
+
+
+async def serve_regions(path: str, table, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+    """Accepts region registrations at `path` (mode 0600: only the daemon's user may hand it
+    memory)."""
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+    listener = trio.socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    old_umask = os.umask(0o177)
+    try:
+        await listener.bind(path)
+    finally:
+        os.umask(old_umask)
+    listener.listen(64)
+    task_status.started()
+    async with trio.open_nursery() as nursery:
+        try:
+            while True:
+                conn, _ = await listener.accept()
+                nursery.start_soon(_serve_connection, conn, table)
+        finally:
+            listener.close()

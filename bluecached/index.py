@@ -1,0 +1,163 @@
+"""The persistent index: what the journal's records mean, and rebuilding the namespace from them.
+
+Records are small tuples keyed by inode number (docs/architecture.md lists them). Replay applies
+them with the live namespace's own rules, so a replayed namespace is one the daemon could have
+had: placing an inode where another one is drops the other (rename-replace).
+"""
+
+import logging
+from dataclasses import dataclass, field
+
+from .namespace import ROOT_INO, Inode, Namespace
+from .nvme import Extent
+
+log = logging.getLogger("bluecached.index")
+
+# Record tags (one letter: a million records should stay small).
+BOOT = "B"    # (B, boot_number)                   inode numbers of this boot start at boot << 40
+DIR = "D"     # (D, ino, parent, name, mode, uid, gid, atime, mtime, ctime)
+FILE = "F"    # (F, ino, parent, name, mode, uid, gid, atime, mtime, ctime, size, off, len, crcs)
+MOVE = "M"    # (M, ino, parent, name)
+ATTR = "A"    # (A, ino, mode, uid, gid, atime, mtime, ctime)
+DROP = "X"    # (X, ino)
+
+INO_BOOT_SHIFT = 40  # 2**40 inode numbers per boot: never reused across restarts
+
+
+def _attr_fields(node: Inode) -> tuple:
+    return (node.mode, node.uid, node.gid, node.atime_ns, node.mtime_ns, node.ctime_ns)
+
+
+def dir_record(node: Inode) -> tuple:
+    return (DIR, node.ino, node.parent, node.name, *_attr_fields(node))
+
+
+def file_record(node: Inode, extent: Extent | None, crcs: bytes) -> tuple:
+    off, length = (extent.offset, extent.length) if extent else (0, 0)
+    return (FILE, node.ino, node.parent, node.name, *_attr_fields(node), node.size,
+            off, length, crcs)
+
+
+def move_record(node: Inode) -> tuple:
+    return (MOVE, node.ino, node.parent, node.name)
+
+
+def attr_record(node: Inode) -> tuple:
+    return (ATTR, node.ino, *_attr_fields(node))
+
+
+def drop_record(ino: int) -> tuple:
+    return (DROP, ino)
+
+
+@dataclass
+class Replayed:
+    """What replay found: the persisted files' placement on NVMe, and the boot counter."""
+    boot: int = 0
+    files: dict[int, tuple[int, Extent | None, bytes]] = field(default_factory=dict)
+    skipped: int = 0
+
+
+class _Replayer:
+    def __init__(self, ns: Namespace):
+        self.ns = ns
+        self.out = Replayed()
+
+    def drop(self, ino: int) -> None:
+        node = self.ns.inodes.get(ino)
+        if node is None or ino == ROOT_INO:
+            return
+        if node.is_dir:  # its children were dropped before it, or the log is damaged
+            for child in list(self.ns.walk(node))[1:]:
+                self.drop(child.ino)
+        if node.parent is not None:
+            parent = self.ns.inodes[node.parent]
+            parent.children.pop(node.name, None)
+            if node.is_dir:
+                parent.nlink -= 1
+        self.ns.inodes.pop(ino, None)
+        self.out.files.pop(ino, None)
+
+    def place(self, node: Inode, parent_ino: int, name: bytes) -> bool:
+        parent = self.ns.inodes.get(parent_ino)
+        if parent is None or not parent.is_dir:
+            self.out.skipped += 1
+            log.warning("index: inode %d names missing directory %d; dropped", node.ino, parent_ino)
+            self.drop(node.ino)
+            return False
+        held = parent.children.get(name)
+        if held is not None and held[1] != node.ino:
+            self.drop(held[1])
+        if node.parent is not None and (node.parent, node.name) != (parent_ino, name):
+            old = self.ns.inodes[node.parent]
+            old.children.pop(node.name, None)
+            if node.is_dir:
+                old.nlink -= 1
+            node.parent = node.name = None
+        if node.parent is None:
+            self.ns._link(parent, name, node)
+        return True
+
+    def apply(self, rec) -> None:
+        tag = rec[0]
+        if tag == BOOT:
+            self.out.boot = max(self.out.boot, rec[1])
+        elif tag in (DIR, FILE):
+            ino, parent, name, mode, uid, gid, atime, mtime, ctime = rec[1:10]
+            node = self.ns.inodes.get(ino)
+            if node is None or node.is_dir != (tag == DIR):
+                if node is not None:
+                    self.drop(ino)
+                node = Inode(ino, mode, uid, gid, ctime)
+                self.ns.inodes[ino] = node
+            node.mode, node.uid, node.gid = mode, uid, gid
+            node.atime_ns, node.mtime_ns, node.ctime_ns = atime, mtime, ctime
+            if not self.place(node, parent, name):
+                return
+            if tag == FILE:
+                size, off, length, crcs = rec[10:14]
+                node.size = size
+                self.out.files[ino] = (size, Extent(off, length) if length else None, crcs)
+        elif tag == MOVE:
+            node = self.ns.inodes.get(rec[1])
+            if node is not None:
+                self.place(node, rec[2], rec[3])
+        elif tag == ATTR:
+            node = self.ns.inodes.get(rec[1])
+            if node is not None:
+                (node.mode, node.uid, node.gid,
+                 node.atime_ns, node.mtime_ns, node.ctime_ns) = rec[2:8]
+        elif tag == DROP:
+            self.drop(rec[1])
+        else:
+            self.out.skipped += 1
+            log.warning("index: unknown record %r ignored", tag)
+
+
+def replay(ns: Namespace, records) -> Replayed:
+    """Rebuilds `ns` (a fresh namespace) from records. Files become inodes without data; the
+    caller attaches their NVMe placement from the result."""
+    r = _Replayer(ns)
+    for rec in records:
+        try:
+            r.apply(rec)
+        except (ValueError, TypeError, IndexError, KeyError) as e:
+            r.out.skipped += 1
+            log.warning("index: malformed record %.80r ignored (%s)", rec, e)
+    return r.out
+
+
+def snapshot_records(ns: Namespace, persisted: dict[int, tuple[Extent | None, bytes]],
+                     boot: int) -> list:
+    """The records that rebuild the current persisted state: directories before their
+    children, only files whose current content is on NVMe."""
+    out = [(BOOT, boot)]
+    for node in ns.walk():
+        if node.ino == ROOT_INO:
+            continue
+        if node.is_dir:
+            out.append(dir_record(node))
+        elif node.ino in persisted:
+            extent, crcs = persisted[node.ino]
+            out.append(file_record(node, extent, crcs))
+    return out

@@ -1,0 +1,78 @@
+"""Prometheus text exposition of the daemon's stats on a small HTTP endpoint.
+
+The format is a few lines of text; a tiny trio handler serves it without another thread or a
+global registry (prometheus_client's server runs in a thread of its own).
+"""
+
+import logging
+
+import trio
+
+log = logging.getLogger("bluecached.metrics")
+
+# (metric name, type, help, path into the stats dict)
+_TIER_METRICS = [
+    ("bytes", "gauge", "Bytes held in the tier"),
+    ("capacity_bytes", "gauge", "Configured capacity of the tier"),
+    ("objects", "gauge", "Objects held in the tier"),
+    ("hits", "counter", "Reads served from the tier"),
+    ("misses", "counter", "Reads that did not find the object in the tier"),
+    ("evictions", "counter", "Objects evicted from the tier"),
+]
+_GLOBAL_METRICS = [
+    ("files", "gauge", "Files in the namespace"),
+    ("dirty_bytes", "gauge", "Bytes in DRAM not yet written behind to NVMe"),
+    ("checksum_failures", "counter", "Objects removed because their CRC32C did not match"),
+    ("writeback_failures", "counter", "Write-behind attempts that failed"),
+    ("tmp_collected", "counter", "Orphaned .tmp files removed"),
+    ("requests", "counter", "Control requests served"),
+    ("bad_messages", "counter", "Malformed control messages received"),
+    ("open_handles", "gauge", "Open file handles"),
+    ("regions", "gauge", "Registered DMA regions"),
+]
+
+
+def render(stats: dict) -> str:
+    lines = []
+    for name, kind, text in _TIER_METRICS:
+        metric = f"bluecache_tier_{name}" + ("_total" if kind == "counter" else "")
+        lines += [f"# HELP {metric} {text}.", f"# TYPE {metric} {kind}"]
+        for tier, values in stats["tiers"].items():
+            if name in values:
+                lines.append(f'{metric}{{tier="{tier}"}} {values[name]}')
+    for name, kind, text in _GLOBAL_METRICS:
+        metric = f"bluecache_{name}" + ("_total" if kind == "counter" else "")
+        lines += [f"# HELP {metric} {text}.", f"# TYPE {metric} {kind}", f"{metric} {stats[name]}"]
+    return "\n".join(lines) + "\n"
+
+
+async def _serve_one(stream: trio.SocketStream, stats) -> None:
+    try:
+        request = b""
+        with trio.move_on_after(5):
+            while b"\r\n\r\n" not in request and len(request) < 8192:
+                data = await stream.receive_some(4096)
+                if not data:
+                    break
+                request += data
+        line = request.split(b"\r\n", 1)[0].split()
+        if len(line) >= 2 and line[0] == b"GET" and line[1] in (b"/metrics", b"/"):
+            body, status = render(stats()).encode(), b"200 OK"
+            ctype = b"text/plain; version=0.0.4; charset=utf-8"
+        else:
+            body, status, ctype = b"not found: try /metrics\n", b"404 Not Found", b"text/plain"
+        await stream.send_all(b"HTTP/1.1 " + status + b"\r\nContent-Type: " + ctype +
+                              b"\r\nContent-Length: " + str(len(body)).encode() +
+                              b"\r\nConnection: close\r\n\r\n" + body)
+    except trio.BrokenResourceError:
+        pass
+    finally:
+        await stream.aclose()
+
+
+async def serve(listen: str, stats, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+    host, _, port = listen.rpartition(":")
+    listeners = await trio.open_tcp_listeners(int(port), host=host.strip("[]") or None)
+    log.info("metrics on http://%s/metrics", listen)
+    task_status.started()
+    await trio.serve_listeners(lambda s: _serve_one(s, stats), listeners)

@@ -1,0 +1,265 @@
+"""The namespace bluecached owns: inodes, directories and the POSIX rules between them.
+
+Pure in-memory bookkeeping with no I/O, so every rule here is testable directly. Errors are
+FsError carrying the errno the kernel will hand to the application; the store decides what
+happens to the bytes of an inode that leaves the namespace.
+"""
+
+import errno
+import os
+import stat
+import time
+from collections.abc import Iterator
+
+ROOT_INO = 1  # FUSE_ROOT_ID
+NAME_MAX = 255
+RENAME_NOREPLACE = 1
+RENAME_EXCHANGE = 2
+
+
+class FsError(Exception):
+    def __init__(self, err: int, message: str = ""):
+        self.errno = err
+        self.message = message or os.strerror(err)
+        super().__init__(err, self.message)
+
+    def __str__(self) -> str:
+        return self.message
+
+
+class Inode:
+    __slots__ = (
+        "ino", "mode", "uid", "gid", "nlink", "size",
+        "atime_ns", "mtime_ns", "ctime_ns",
+        "parent", "name",   # where it is linked (None, None once unlinked)
+        "children",         # directories: name -> (cookie, ino), insertion (= cookie) order
+        "next_cookie",
+        "obj",              # regular files: the store's data record
+    )
+
+    def __init__(self, ino: int, mode: int, uid: int, gid: int, now: int):
+        self.ino = ino
+        self.mode = mode
+        self.uid = uid
+        self.gid = gid
+        self.size = 0
+        self.atime_ns = self.mtime_ns = self.ctime_ns = now
+        self.parent: int | None = None
+        self.name: bytes | None = None
+        self.obj = None
+        if stat.S_ISDIR(mode):
+            self.nlink = 2
+            self.children: dict[bytes, tuple[int, int]] | None = {}
+            self.next_cookie = 1
+        else:
+            self.nlink = 1
+            self.children = None
+            self.next_cookie = 0
+
+    @property
+    def is_dir(self) -> bool:
+        return self.children is not None
+
+    def attrs(self) -> dict:
+        return {
+            "ino": self.ino, "mode": self.mode, "nlink": self.nlink,
+            "uid": self.uid, "gid": self.gid, "size": self.size,
+            "atime_ns": self.atime_ns, "mtime_ns": self.mtime_ns, "ctime_ns": self.ctime_ns,
+        }
+
+
+def check_name(name: bytes) -> None:
+    if len(name) > NAME_MAX:
+        raise FsError(errno.ENAMETOOLONG, f"name is {len(name)} bytes, the limit is {NAME_MAX}")
+    if not name or name in (b".", b"..") or b"/" in name or b"\0" in name:
+        raise FsError(errno.EINVAL, f"invalid file name {name!r}")
+
+
+class Namespace:
+    """Inode table and directory tree. `new_ino` hands out inode numbers (the store makes them
+    unique across restarts)."""
+
+    def __init__(self, new_ino, clock=time.time_ns):
+        self._new_ino = new_ino
+        self.clock = clock
+        self.inodes: dict[int, Inode] = {}
+        root = Inode(ROOT_INO, stat.S_IFDIR | 0o755, 0, 0, clock())
+        self.inodes[ROOT_INO] = root
+
+    # -- queries ---------------------------------------------------------------------------
+
+    def get(self, ino: int) -> Inode:
+        try:
+            return self.inodes[ino]
+        except KeyError:
+            raise FsError(errno.ENOENT, f"no inode {ino}") from None
+
+    def directory(self, ino: int) -> Inode:
+        node = self.get(ino)
+        if not node.is_dir:
+            raise FsError(errno.ENOTDIR, f"inode {ino} is not a directory")
+        return node
+
+    def lookup(self, parent: int, name: bytes) -> Inode:
+        entry = self.directory(parent).children.get(name)
+        if entry is None:
+            raise FsError(errno.ENOENT)
+        return self.inodes[entry[1]]
+
+    def resolve(self, path: str | bytes) -> Inode:
+        """Inode at a path relative to the root ('' or '/' is the root)."""
+        if isinstance(path, str):
+            path = path.encode()
+        node = self.inodes[ROOT_INO]
+        for part in path.split(b"/"):
+            if part:
+                node = self.lookup(node.ino, part)
+        return node
+
+    def path_of(self, node: Inode) -> bytes:
+        parts = []
+        while node.ino != ROOT_INO:
+            if node.parent is None:
+                return b""
+            parts.append(node.name)
+            node = self.inodes[node.parent]
+        return b"/" + b"/".join(reversed(parts))
+
+    def readdir(self, ino: int, offset: int, limit: int) -> list[tuple[bytes, Inode, int]]:
+        """Entries whose cookie is above `offset`: (name, inode, cookie). Cookies never change
+        while an entry stays, so a listing interrupted by creates and unlinks resumes correctly."""
+        out = []
+        for name, (cookie, child) in self.directory(ino).children.items():
+            if cookie > offset:
+                out.append((name, self.inodes[child], cookie))
+                if len(out) >= limit:
+                    break
+        return out
+
+    def walk(self, top: Inode | None = None) -> Iterator[Inode]:
+        """Every inode below `top` (default root), parents before children."""
+        stack = [top or self.inodes[ROOT_INO]]
+        while stack:
+            node = stack.pop()
+            yield node
+            if node.is_dir:
+                stack.extend(self.inodes[c] for _, c in node.children.values())
+
+    # -- mutations -------------------------------------------------------------------------
+
+    def _link(self, parent: Inode, name: bytes, node: Inode) -> None:
+        parent.children[name] = (parent.next_cookie, node.ino)
+        parent.next_cookie += 1
+        node.parent, node.name = parent.ino, name
+        if node.is_dir:
+            parent.nlink += 1
+
+    def _unlink_entry(self, parent: Inode, name: bytes) -> Inode:
+        _, child_ino = parent.children.pop(name)
+        child = self.inodes[child_ino]
+        child.parent = child.name = None
+        if child.is_dir:
+            parent.nlink -= 1
+            child.nlink = 0
+        else:
+            child.nlink -= 1
+        return child
+
+    def _touch_dir(self, node: Inode, now: int) -> None:
+        node.mtime_ns = node.ctime_ns = now
+
+    def add(self, parent_ino: int, name: bytes, mode: int, uid: int, gid: int,
+            ino: int | None = None) -> Inode:
+        """A new directory or regular file at (parent, name); EEXIST if the name is taken."""
+        check_name(name)
+        parent = self.directory(parent_ino)
+        if parent.nlink == 0:
+            raise FsError(errno.ENOENT, "directory was removed")
+        if name in parent.children:
+            raise FsError(errno.EEXIST)
+        if not (stat.S_ISDIR(mode) or stat.S_ISREG(mode)):
+            raise FsError(errno.EPERM, "only directories and regular files are supported")
+        now = self.clock()
+        node = Inode(self._new_ino() if ino is None else ino, mode, uid, gid, now)
+        self.inodes[node.ino] = node
+        self._link(parent, name, node)
+        self._touch_dir(parent, now)
+        return node
+
+    def unlink(self, parent_ino: int, name: bytes) -> Inode:
+        """Removes a file's name. The inode stays in the table: the store drops it when unused."""
+        node = self.lookup(parent_ino, name)
+        if node.is_dir:
+            raise FsError(errno.EISDIR)
+        parent = self.inodes[parent_ino]
+        self._unlink_entry(parent, name)
+        now = self.clock()
+        self._touch_dir(parent, now)
+        node.ctime_ns = now
+        return node
+
+    def rmdir(self, parent_ino: int, name: bytes) -> Inode:
+        node = self.lookup(parent_ino, name)
+        if not node.is_dir:
+            raise FsError(errno.ENOTDIR)
+        if node.children:
+            raise FsError(errno.ENOTEMPTY)
+        parent = self.inodes[parent_ino]
+        self._unlink_entry(parent, name)
+        self._touch_dir(parent, self.clock())
+        del self.inodes[node.ino]
+        return node
+
+    def forget(self, node: Inode) -> None:
+        """Drops an unlinked file's inode from the table (its last user went away)."""
+        if node.parent is None:
+            self.inodes.pop(node.ino, None)
+
+    def rename(self, parent_ino: int, name: bytes, new_parent_ino: int, new_name: bytes,
+               flags: int = 0) -> tuple[Inode, Inode | None]:
+        """Atomically moves (parent, name) to (new_parent, new_name), replacing a target.
+        Returns (moved inode, replaced inode or None)."""
+        if flags & RENAME_EXCHANGE:
+            raise FsError(errno.EINVAL, "RENAME_EXCHANGE is not supported")
+        if flags & ~RENAME_NOREPLACE:
+            raise FsError(errno.EINVAL, f"unknown rename flags {flags:#x}")
+        check_name(new_name)
+        node = self.lookup(parent_ino, name)
+        parent = self.inodes[parent_ino]
+        new_parent = self.directory(new_parent_ino)
+        if new_parent.nlink == 0:
+            raise FsError(errno.ENOENT, "target directory was removed")
+        entry = new_parent.children.get(new_name)
+        target = self.inodes[entry[1]] if entry else None
+        if target is node:
+            return node, None
+        if target is not None:
+            if flags & RENAME_NOREPLACE:
+                raise FsError(errno.EEXIST)
+            if node.is_dir and not target.is_dir:
+                raise FsError(errno.ENOTDIR)
+            if target.is_dir and not node.is_dir:
+                raise FsError(errno.EISDIR)
+            if target.is_dir and target.children:
+                raise FsError(errno.ENOTEMPTY)
+        if node.is_dir:  # a directory cannot move below itself
+            up = new_parent
+            while up is not None:
+                if up is node:
+                    raise FsError(errno.EINVAL, "cannot move a directory into itself")
+                up = self.inodes.get(up.parent) if up.parent is not None else None
+        if target is not None:
+            self._unlink_entry(new_parent, new_name)
+            if target.is_dir:
+                del self.inodes[target.ino]
+        self._unlink_entry(parent, name)
+        if not node.is_dir:
+            node.nlink += 1  # _unlink_entry counted down; the file keeps its one link
+        self._link(new_parent, new_name, node)
+        now = self.clock()
+        self._touch_dir(parent, now)
+        self._touch_dir(new_parent, now)
+        node.ctime_ns = now
+        if target is not None:
+            target.ctime_ns = now
+        return node, target

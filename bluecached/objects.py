@@ -1,0 +1,73 @@
+"""A regular file's bytes and where they live (DRAM chunks, an NVMe extent, or both)."""
+
+import mmap
+
+import trio
+
+from .dram import CHUNK_SIZE
+from .nvme import Extent
+
+# Never written: the source for holes in sparse files, on reads and on write-behind.
+ZERO_CHUNK = mmap.mmap(-1, CHUNK_SIZE)
+
+
+class StoredObject:
+    __slots__ = (
+        "chunks",      # list of chunk buffers (None = hole), or None when not in DRAM
+        "dirty",       # DRAM holds content that is not on NVMe
+        "extent",      # NVMe placement of the persisted content, if any
+        "crcs",        # CRC32C per chunk of the persisted content (packed little-endian u32)
+        "persisted",   # a FILE record for the current content is in the journal
+        "version",     # bumped on every change: write-behind discards a copy that raced one
+        "opens",       # open handles
+        "writers",     # open handles with write access
+        "pins",        # operations touching the chunks right now (copies, write-behind)
+        "deferred",    # chunks freed while pinned, returned to the pool at unpin
+        "lock",        # serialises changes to the content (write, truncate, promotion)
+        "queued",      # waiting for write-behind
+    )
+
+    def __init__(self):
+        self.chunks: list | None = []
+        self.dirty = False
+        self.extent: Extent | None = None
+        self.crcs = b""
+        self.persisted = False
+        self.version = 0
+        self.opens = 0
+        self.writers = 0
+        self.pins = 0
+        self.deferred: list = []
+        self.lock: trio.Lock | None = None
+        self.queued = False
+
+    def content_lock(self) -> trio.Lock:
+        if self.lock is None:
+            self.lock = trio.Lock()
+        return self.lock
+
+    @property
+    def resident(self) -> bool:
+        return self.chunks is not None
+
+    @property
+    def busy(self) -> bool:
+        """Open, in flight or locked: never evicted."""
+        return bool(self.opens or self.pins or (self.lock is not None and self.lock.locked()))
+
+
+def chunk_count(size: int) -> int:
+    return -(-size // CHUNK_SIZE)
+
+
+def views(chunks: list, offset: int, length: int) -> list[memoryview]:
+    """Consecutive slices of the chunks covering [offset, offset+length); holes read as zeros."""
+    out = []
+    end = offset + length
+    while offset < end:
+        index, start = divmod(offset, CHUNK_SIZE)
+        stop = min(CHUNK_SIZE, start + end - offset)
+        chunk = chunks[index] if index < len(chunks) else None
+        out.append(memoryview(chunk if chunk is not None else ZERO_CHUNK)[start:stop])
+        offset += stop - start
+    return out

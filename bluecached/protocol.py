@@ -1,0 +1,176 @@
+"""The control protocol between clients (hostd, bluecachectl) and bluecached.
+
+docs/protocol.md is the reference; this module is its executable form. One zmq frame per
+message, a msgpack map. Bulk bytes never travel here: read/write name a registered region.
+"""
+
+import errno
+from dataclasses import dataclass
+
+import msgpack
+
+VERSION = 1
+SUPPORTED_VERSIONS = (1,)
+MAX_NAME = 4096      # generous: the namespace enforces NAME_MAX itself, with its own errno
+MAX_STR = 4096
+MAX_LIST = 64
+
+U64 = "u64"
+I64 = "i64"
+U32 = "u32"
+BYTES = "bytes"
+STR = "str"
+BOOL = "bool"
+U32_LIST = "u32[]"
+
+_PARENT_NAME = {"parent": U64, "name": BYTES}
+_TRANSFER = {"fh": U64, "offset": U64, "length": U64, "region": U64, "region_offset": U64}
+_NEW = {**_PARENT_NAME, "mode": U32, "uid": U32, "gid": U32}
+
+# op -> (required args, optional args)
+OPS: dict[str, tuple[dict, dict]] = {
+    "hello": ({"versions": U32_LIST}, {"client": STR, "replaces": U64}),
+    "ping": ({}, {}),
+    "lookup": (_PARENT_NAME, {}),
+    "getattr": ({"ino": U64}, {}),
+    "setattr": ({"ino": U64}, {"size": U64, "mode": U32, "uid": U32, "gid": U32,
+                               "atime_ns": I64, "mtime_ns": I64,
+                               "atime_now": BOOL, "mtime_now": BOOL}),
+    "mkdir": (_NEW, {}),
+    "create": ({**_NEW, "flags": U32}, {}),
+    "open": ({"ino": U64, "flags": U32}, {}),
+    "read": (_TRANSFER, {}),
+    "write": (_TRANSFER, {}),
+    "flush": ({"fh": U64}, {}),
+    "release": ({"fh": U64}, {}),
+    "unlink": (_PARENT_NAME, {}),
+    "rmdir": (_PARENT_NAME, {}),
+    "rename": ({**_PARENT_NAME, "new_parent": U64, "new_name": BYTES}, {"flags": U32}),
+    "readdir": ({"ino": U64, "offset": U64}, {"limit": U32}),
+    "statfs": ({}, {}),
+    "status": ({}, {}),
+    "stats": ({}, {}),
+    "ls": ({}, {"path": STR}),
+    "du": ({}, {"path": STR}),
+    "evict": ({}, {"path": STR, "all": BOOL}),
+    "verify": ({}, {"start": BOOL}),
+}
+
+
+class ProtocolError(Exception):
+    """A message that cannot be served. `request_id` is set when the id could be read, so the
+    client gets an error reply rather than a timeout."""
+
+    def __init__(self, err: int, message: str, request_id: int | None = None):
+        super().__init__(message)
+        self.errno = err
+        self.request_id = request_id
+
+
+@dataclass(slots=True)
+class Request:
+    id: int
+    op: str
+    args: dict
+
+
+def _check(kind: str, value) -> bool:
+    if kind in (U64, U32, I64):
+        if type(value) is not int:
+            return False
+        if kind == I64:
+            return -(1 << 63) <= value < (1 << 63)
+        return 0 <= value < (1 << (64 if kind == U64 else 32))
+    if kind == BYTES:
+        return type(value) is bytes and len(value) <= MAX_NAME
+    if kind == STR:
+        return type(value) is str and len(value) <= MAX_STR
+    if kind == BOOL:
+        return type(value) is bool
+    if kind == U32_LIST:
+        return (type(value) is list and len(value) <= MAX_LIST
+                and all(_check(U32, v) for v in value))
+    return False
+
+
+def _unpack(frame: bytes, max_bytes: int):
+    if len(frame) > max_bytes:
+        raise ProtocolError(errno.EMSGSIZE, f"message of {len(frame)} bytes exceeds {max_bytes}")
+    try:
+        return msgpack.unpackb(frame, raw=False, strict_map_key=False,
+                               max_bin_len=max_bytes, max_str_len=max_bytes,
+                               max_array_len=1024, max_map_len=64)
+    except (ValueError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError) as e:
+        raise ProtocolError(errno.EBADMSG, f"undecodable message: {e}") from None
+
+
+def decode_request(frame: bytes, max_bytes: int = 65536) -> Request:
+    msg = _unpack(frame, max_bytes)
+    if type(msg) is not dict:
+        raise ProtocolError(errno.EBADMSG, "message is not a map")
+    rid = msg.get("id")
+    if not _check(U64, rid):
+        raise ProtocolError(errno.EBADMSG, "missing or invalid request id")
+    if msg.get("v") not in SUPPORTED_VERSIONS:
+        raise ProtocolError(errno.EPROTO, f"unsupported protocol version {msg.get('v')!r}", rid)
+    op = msg.get("op")
+    if type(op) is not str or op not in OPS:
+        raise ProtocolError(errno.ENOSYS, f"unknown operation {op!r}", rid)
+    args = msg.get("args", {})
+    if type(args) is not dict:
+        raise ProtocolError(errno.EINVAL, "args is not a map", rid)
+    required, optional = OPS[op]
+    for key, value in args.items():
+        kind = required.get(key) or optional.get(key)
+        if kind is None:
+            raise ProtocolError(errno.EINVAL, f"{op}: unknown argument {key!r}", rid)
+        if not _check(kind, value):
+            raise ProtocolError(errno.EINVAL, f"{op}: argument {key!r} must be {kind}", rid)
+    missing = [k for k in required if k not in args]
+    if missing:
+        raise ProtocolError(errno.EINVAL, f"{op}: missing argument(s) {', '.join(missing)}", rid)
+    return Request(rid, op, args)
+
+
+def encode_request(rid: int, op: str, args: dict) -> bytes:
+    return msgpack.packb({"v": VERSION, "id": rid, "op": op, "args": args}, use_bin_type=True)
+
+
+def encode_reply(rid: int | None, result) -> bytes:
+    return msgpack.packb({"id": rid, "ok": True, "result": result}, use_bin_type=True)
+
+
+def encode_error(rid: int | None, err: int, message: str) -> bytes:
+    return msgpack.packb({"id": rid, "ok": False, "errno": err, "error": message},
+                         use_bin_type=True)
+
+
+def decode_reply(frame: bytes, max_bytes: int = 64 << 20) -> dict:
+    msg = _unpack(frame, max_bytes)
+    if type(msg) is not dict or "ok" not in msg:
+        raise ProtocolError(errno.EBADMSG, "reply is not a reply map")
+    return msg
+
+
+# Events on the PUB socket: [topic, msgpack map]. Subscribers filter by topic prefix.
+EVENT_REMOVED = b"removed"
+
+
+def encode_event(topic: bytes, fields: dict) -> list[bytes]:
+    return [topic, msgpack.packb(fields, use_bin_type=True)]
+
+
+def decode_event(frames: list[bytes]) -> tuple[bytes, dict]:
+    if len(frames) != 2:
+        raise ProtocolError(errno.EBADMSG, "event must have two frames")
+    fields = _unpack(frames[1], 65536)
+    if type(fields) is not dict:
+        raise ProtocolError(errno.EBADMSG, "event body is not a map")
+    return frames[0], fields
+
+
+def state_dir_endpoints(state_dir: str) -> dict[str, str]:
+    """Where an embedded-mode daemon with this state dir listens."""
+    return {"control": f"ipc://{state_dir}/control.sock",
+            "events": f"ipc://{state_dir}/events.sock",
+            "regions": f"{state_dir}/dma.sock"}

@@ -1,0 +1,213 @@
+"""Serves the control protocol: decoded requests become Store calls, results become replies.
+
+This is the one place where errors become errno values on the wire. Expected failures
+(FsError, DmaError, ProtocolError) are replies; anything else is a bug: logged with its
+traceback, answered with EIO, and the daemon keeps serving.
+"""
+
+import errno
+import itertools
+import logging
+import os
+
+import trio
+
+from . import __version__, protocol
+from .dma import DmaError, RegionTable
+from .namespace import FsError, Inode
+from .store import Store
+from .zmqpump import SocketPump
+
+log = logging.getLogger("bluecached.server")
+
+
+def attrs(node: Inode) -> dict:
+    return node.attrs()
+
+
+class Session:
+    __slots__ = ("id", "client")
+
+    def __init__(self, sid: int, client: str):
+        self.id = sid
+        self.client = client
+
+
+class ControlServer:
+    def __init__(self, store: Store, regions: RegionTable, status, stats, verifier,
+                 max_message_bytes: int = 65536):
+        self.store = store
+        self.regions = regions
+        self.status = status        # () -> dict
+        self.stats = stats          # () -> dict
+        self.verifier = verifier
+        self.max_message_bytes = max_message_bytes
+        self.incarnation = os.urandom(8).hex()
+        self.sessions: dict[bytes, Session] = {}
+        self._session_ids = itertools.count(1)
+        self.requests = 0
+        self.bad_messages = 0
+        self._pump: SocketPump | None = None
+        self._nursery: trio.Nursery | None = None
+
+    async def run(self, sock, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        self._pump = SocketPump(sock)
+        async with trio.open_nursery() as nursery:
+            self._nursery = nursery
+            task_status.started()
+            await self._pump.run(self._on_message)
+
+    # -- receiving -------------------------------------------------------------------------
+
+    def _on_message(self, frames: list[bytes]) -> None:
+        if len(frames) != 2:  # ROUTER adds the identity; a client sends exactly one frame
+            self.bad_messages += 1
+            log.warning("dropped a control message with %d frames", len(frames))
+            return
+        identity, frame = frames
+        try:
+            request = protocol.decode_request(frame, self.max_message_bytes)
+        except protocol.ProtocolError as e:
+            self.bad_messages += 1
+            log.warning("bad control message (%d bytes): %s", len(frame), e)
+            self._reply(identity, protocol.encode_error(e.request_id, e.errno, str(e)))
+            return
+        self.requests += 1
+        self._nursery.start_soon(self._serve, identity, request)
+
+    def _reply(self, identity: bytes, payload: bytes) -> None:
+        self._pump.send([identity, payload])
+
+    async def _serve(self, identity: bytes, request: protocol.Request) -> None:
+        try:
+            session = self.sessions.get(identity)
+            if request.op == "hello":
+                result = self._hello(identity, request.args)
+            elif session is None:
+                raise FsError(errno.EPROTO, "say hello first (version handshake)")
+            else:
+                result = await getattr(self, "op_" + request.op)(session, **request.args)
+        except (FsError, DmaError, protocol.ProtocolError) as e:
+            self._reply(identity, protocol.encode_error(request.id, e.errno, str(e)))
+        except Exception:
+            log.exception("internal error serving %s", request.op)
+            self._reply(identity, protocol.encode_error(request.id, errno.EIO, "internal error"))
+        else:
+            self._reply(identity, protocol.encode_reply(request.id, result))
+
+    # -- operations ------------------------------------------------------------------------
+
+    def _hello(self, identity: bytes, args: dict) -> dict:
+        common = [v for v in args["versions"] if v in protocol.SUPPORTED_VERSIONS]
+        if not common:
+            raise FsError(errno.EPROTO, f"no common protocol version: client speaks "
+                                        f"{args['versions']}, daemon {protocol.SUPPORTED_VERSIONS}")
+        old = args.get("replaces")
+        if old is not None:
+            for ident, sess in list(self.sessions.items()):
+                if sess.id == old:
+                    released = self.store.release_session(old)
+                    log.info("session %d replaced by a reconnect; released %d handles",
+                             old, released)
+                    del self.sessions[ident]
+        previous = self.sessions.get(identity)
+        if previous is not None:
+            self.store.release_session(previous.id)
+        session = Session(next(self._session_ids), args.get("client", ""))
+        self.sessions[identity] = session
+        return {"version": max(common), "server": f"bluecached {__version__}",
+                "incarnation": self.incarnation, "session": session.id,
+                "engine": self.regions.engine.name,
+                "max_message_bytes": self.max_message_bytes}
+
+    async def op_ping(self, session) -> dict:
+        return {}
+
+    async def op_lookup(self, session, parent, name) -> dict:
+        return attrs(self.store.lookup(parent, name))
+
+    async def op_getattr(self, session, ino) -> dict:
+        return attrs(self.store.getattr(ino))
+
+    async def op_setattr(self, session, ino, **changes) -> dict:
+        return attrs(await self.store.setattr(ino, **changes))
+
+    async def op_mkdir(self, session, parent, name, mode, uid, gid) -> dict:
+        return attrs(self.store.mkdir(parent, name, mode, uid, gid))
+
+    async def op_create(self, session, parent, name, mode, uid, gid, flags) -> dict:
+        handle = await self.store.create(parent, name, mode, uid, gid, flags, session.id)
+        return {"fh": handle.fh, "attr": attrs(handle.node)}
+
+    async def op_open(self, session, ino, flags) -> dict:
+        handle = await self.store.open(ino, flags, session.id)
+        return {"fh": handle.fh, "attr": attrs(handle.node)}
+
+    async def _transfer(self, method, fh, offset, length, region, region_offset) -> dict:
+        reg = self.regions.acquire(region, region_offset, length)
+        try:
+            return {"length": await method(fh, offset, length, reg, region_offset)}
+        finally:
+            self.regions.done(reg)
+
+    async def op_read(self, session, **args) -> dict:
+        return await self._transfer(self.store.read, **args)
+
+    async def op_write(self, session, **args) -> dict:
+        return await self._transfer(self.store.write, **args)
+
+    async def op_flush(self, session, fh) -> dict:
+        await self.store.flush(fh)
+        return {}
+
+    async def op_release(self, session, fh) -> dict:
+        self.store.release(fh)
+        return {}
+
+    async def op_unlink(self, session, parent, name) -> dict:
+        self.store.unlink(parent, name)
+        return {}
+
+    async def op_rmdir(self, session, parent, name) -> dict:
+        self.store.rmdir(parent, name)
+        return {}
+
+    async def op_rename(self, session, parent, name, new_parent, new_name, flags=0) -> dict:
+        self.store.rename(parent, name, new_parent, new_name, flags)
+        return {}
+
+    async def op_readdir(self, session, ino, offset, limit=1024) -> dict:
+        entries = self.store.readdir(ino, offset, max(1, min(limit, 4096)))
+        return {"entries": [[name, node.ino, node.mode, cookie]
+                            for name, node, cookie in entries]}
+
+    async def op_statfs(self, session) -> dict:
+        return self.store.statfs()
+
+    async def op_status(self, session) -> dict:
+        return self.status()
+
+    async def op_stats(self, session) -> dict:
+        return self.stats()
+
+    async def op_ls(self, session, path="/") -> dict:
+        store = self.store
+        node = store.ns.resolve(path)
+        children = (store.readdir(node.ino, 0, 1 << 30) if node.is_dir
+                    else [(node.name, node, 0)])
+        return {"entries": [
+            {"name": name, **attrs(child),
+             "tier": store.tier_of(child)} for name, child, _ in children]}
+
+    async def op_du(self, session, path="/") -> dict:
+        return self.store.usage(path)
+
+    async def op_evict(self, session, path=None, all=False) -> dict:  # noqa: A002 (wire name)
+        if not all and not path:
+            raise FsError(errno.EINVAL, "evict needs a path or all")
+        return self.store.evict(None if all else path)
+
+    async def op_verify(self, session, start=False) -> dict:
+        if start:
+            self.verifier.start(self._nursery)
+        return self.verifier.progress()

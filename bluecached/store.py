@@ -1,0 +1,449 @@
+"""The cache as its clients see it: POSIX-like operations over the namespace and the tiers.
+
+Every method raises FsError with the errno the client should see. Bulk bytes move only through
+the DMA engine, between a client's registered region and the object's chunks.
+"""
+
+import errno
+import logging
+import os
+import stat
+import time
+from dataclasses import dataclass
+
+import trio
+
+from . import index
+from .dram import CHUNK_SIZE
+from .namespace import ROOT_INO, FsError, Inode, Namespace
+from .objects import StoredObject, chunk_count, views
+from .tiers import Tiers
+
+log = logging.getLogger("bluecached.store")
+
+MAX_FILE_SIZE = 1 << 40
+TMP_SUFFIX = b".tmp"
+
+
+@dataclass(slots=True)
+class Handle:
+    fh: int
+    node: Inode
+    writable: bool
+    session: int
+
+
+def _writable(flags: int) -> bool:
+    return (flags & os.O_ACCMODE) in (os.O_WRONLY, os.O_RDWR)
+
+
+class Store:
+    def __init__(self, tiers: Tiers, engine, publish=lambda event, **fields: None,
+                 tmp_max_age: float = 3600.0, clock=time.time_ns):
+        self.tiers = tiers
+        self.engine = engine
+        self.publish = publish
+        self.tmp_max_age = tmp_max_age
+        self.clock = clock
+        self.boot = 1
+        self._ino_counter = 0
+        self.ns = Namespace(self._new_ino, clock)
+        self.handles: dict[int, Handle] = {}
+        self._next_fh = 1
+        self.tmp_inos: set[int] = set()
+        self.logical_bytes = 0
+        self.verify_progress: dict | None = None
+
+    # -- start and stop --------------------------------------------------------------------
+
+    def _new_ino(self) -> int:
+        self._ino_counter += 1
+        return (self.boot << index.INO_BOOT_SHIFT) | self._ino_counter
+
+    def load(self) -> dict:
+        """Rebuilds the namespace from the journal. Returns a summary for the log."""
+        t0 = time.monotonic()
+        journal = self.tiers.journal
+        records = journal.load() if journal else []
+        replayed = index.replay(self.ns, records)
+        self.boot = replayed.boot + 1
+        self.tiers.log((index.BOOT, self.boot))
+        files = replayed.files
+        if self.tiers.nvme is not None:
+            self.tiers.nvme.rebuild([e for _, e, _ in files.values() if e is not None])
+        by_atime = []
+        for ino, (size, extent, crcs) in files.items():
+            node = self.ns.inodes[ino]
+            obj = node.obj = StoredObject()
+            obj.chunks = None
+            obj.extent, obj.crcs, obj.persisted = extent, crcs, True
+            self.logical_bytes += size
+            self._note_name(node)
+            by_atime.append(node)
+        by_atime.sort(key=lambda n: n.atime_ns)
+        for node in by_atime:
+            self.tiers.lru_nvme[node.ino] = node
+        summary = {"files": len(files), "inodes": len(self.ns.inodes), "records": len(records),
+                   "skipped": replayed.skipped, "seconds": round(time.monotonic() - t0, 3)}
+        log.info("index rebuilt: %(files)d files, %(inodes)d inodes from %(records)d records "
+                 "in %(seconds).2fs", summary)
+        return summary
+
+    async def flush_all(self) -> None:
+        """Writes every dirty object behind (SIGTERM path: everything persisted)."""
+        if self.tiers.nvme is None:
+            return
+        for node in list(self.tiers.lru_dram.values()):
+            obj = node.obj
+            if obj.dirty and node.parent is not None:
+                async with obj.content_lock():
+                    await self.tiers.writeback(node)
+
+    def checkpoint(self) -> None:
+        journal = self.tiers.journal
+        if journal is None:
+            return
+        persisted = {n.ino: (n.obj.extent, n.obj.crcs)
+                     for n in self.tiers.lru_nvme.values() if n.obj.persisted}
+        journal.checkpoint(index.snapshot_records(self.ns, persisted, self.boot))
+
+    # -- helpers ---------------------------------------------------------------------------
+
+    def _note_name(self, node: Inode) -> None:
+        if node.name is not None and node.name.endswith(TMP_SUFFIX) and not node.is_dir:
+            self.tmp_inos.add(node.ino)
+        else:
+            self.tmp_inos.discard(node.ino)
+
+    def _handle(self, fh: int) -> Handle:
+        try:
+            return self.handles[fh]
+        except KeyError:
+            raise FsError(errno.EBADF, f"no open handle {fh}") from None
+
+    def _file(self, ino: int) -> Inode:
+        node = self.ns.get(ino)
+        if node.is_dir:
+            raise FsError(errno.EISDIR)
+        return node
+
+    def _set_size(self, node: Inode, size: int) -> None:
+        self.tiers.resize_dirty(node, size)
+        self.logical_bytes += size - node.size
+        node.size = size
+
+    def _maybe_destroy(self, node: Inode) -> None:
+        """An unlinked file goes away with its last handle."""
+        if node.parent is None and node.obj is not None and not node.obj.opens:
+            self.tiers.forget(node)
+            self.logical_bytes -= node.size
+            self.tmp_inos.discard(node.ino)
+            self.ns.forget(node)
+
+    def _unlinked(self, node: Inode) -> None:
+        """Bookkeeping after a file lost its name (unlink, rename-replace, eviction)."""
+        if node.obj is not None:
+            self.tiers.unpersist(node)
+        self.tmp_inos.discard(node.ino)
+        self._maybe_destroy(node)
+
+    def remove_object(self, node: Inode, reason: str) -> None:
+        """The cache itself removes a file (eviction, checksum failure, orphan collection):
+        the name goes, and hosts are told so they drop what their kernels cached."""
+        parent, name = node.parent, node.name
+        if parent is not None:
+            self.ns.unlink(parent, name)
+        self.tiers.forget(node)
+        self._unlinked(node)
+        self.publish("removed", ino=node.ino, parent=parent, name=name, reason=reason)
+
+    # -- namespace operations --------------------------------------------------------------
+
+    def lookup(self, parent: int, name: bytes) -> Inode:
+        return self.ns.lookup(parent, name)
+
+    def getattr(self, ino: int) -> Inode:
+        return self.ns.get(ino)
+
+    async def setattr(self, ino: int, size: int | None = None, mode: int | None = None,
+                      uid: int | None = None, gid: int | None = None,
+                      atime_ns: int | None = None, mtime_ns: int | None = None,
+                      atime_now: bool = False, mtime_now: bool = False) -> Inode:
+        node = self.ns.get(ino)
+        now = self.clock()
+        if size is not None:
+            if node.is_dir:
+                raise FsError(errno.EISDIR)
+            if size < 0 or size > MAX_FILE_SIZE:
+                raise FsError(errno.EFBIG if size > 0 else errno.EINVAL)
+            await self._truncate(node, size)
+            node.mtime_ns = now
+        if mode is not None:
+            node.mode = stat.S_IFMT(node.mode) | stat.S_IMODE(mode)
+        if uid is not None:
+            node.uid = uid
+        if gid is not None:
+            node.gid = gid
+        if atime_now or atime_ns is not None:
+            node.atime_ns = now if atime_now else atime_ns
+            if node.obj is not None:
+                self.tiers.touch(node)  # an explicit atime update is an access (llm-d dedup)
+        if mtime_now or mtime_ns is not None:
+            node.mtime_ns = now if mtime_now else mtime_ns
+        node.ctime_ns = now
+        if node.is_dir or (node.obj is not None and node.obj.persisted):
+            self.tiers.log(index.attr_record(node) if not node.is_dir else index.dir_record(node))
+        return node
+
+    async def _truncate(self, node: Inode, size: int) -> None:
+        obj = node.obj
+        async with obj.content_lock():
+            if size == node.size:
+                return
+            if size and obj.chunks is None:
+                await self.tiers.promote(node)
+            self.tiers.begin_modify(node)
+            if obj.chunks is None:
+                obj.chunks = []
+                self.tiers.mark_resident(node)
+            keep = chunk_count(size)
+            if size < node.size:
+                dropped = obj.chunks[keep:]
+                del obj.chunks[keep:]
+                self.tiers.give_chunks(obj, dropped)
+                tail = size % CHUNK_SIZE
+                if tail and obj.chunks and obj.chunks[-1] is not None:
+                    obj.chunks[-1][tail:] = bytes(CHUNK_SIZE - tail)  # keep: past EOF is zero
+            self._set_size(node, size)
+        self.tiers.queue_writeback(node)
+
+    def mkdir(self, parent: int, name: bytes, mode: int, uid: int, gid: int) -> Inode:
+        node = self.ns.add(parent, name, stat.S_IFDIR | stat.S_IMODE(mode), uid, gid)
+        self.tiers.log(index.dir_record(node))
+        return node
+
+    def _open(self, node: Inode, flags: int, session: int) -> Handle:
+        fh = self._next_fh
+        self._next_fh += 1
+        handle = Handle(fh, node, _writable(flags), session)
+        self.handles[fh] = handle
+        obj = node.obj
+        obj.opens += 1
+        if handle.writable:
+            obj.writers += 1
+        node.atime_ns = self.clock()
+        self.tiers.touch(node)
+        return handle
+
+    async def create(self, parent: int, name: bytes, mode: int, uid: int, gid: int,
+                     flags: int, session: int = 0) -> Handle:
+        try:
+            node = self.ns.add(parent, name, stat.S_IFREG | stat.S_IMODE(mode), uid, gid)
+        except FsError as e:
+            # Another host (or a race) created it first: plain O_CREAT opens it.
+            if e.errno != errno.EEXIST or flags & os.O_EXCL:
+                raise
+            return await self.open(self.ns.lookup(parent, name).ino, flags, session)
+        node.obj = StoredObject()
+        node.obj.dirty = True
+        self.tiers.mark_resident(node)
+        self._note_name(node)
+        return self._open(node, flags, session)
+
+    async def open(self, ino: int, flags: int, session: int = 0) -> Handle:
+        node = self._file(ino)
+        if flags & os.O_TRUNC and _writable(flags):
+            await self._truncate(node, 0)
+        return self._open(node, flags, session)
+
+    async def read(self, fh: int, offset: int, length: int, region, region_offset: int) -> int:
+        node = self._handle(fh).node
+        obj = node.obj
+        if offset < 0 or length < 0:
+            raise FsError(errno.EINVAL, "negative offset or length")
+        async with obj.content_lock():  # waits out a promotion or a write in progress
+            if obj.chunks is None:
+                await self.tiers.promote(node)
+            else:
+                self.tiers.stats.dram.hits += 1
+            length = max(0, min(length, node.size - offset))
+            self.tiers.pin(obj)
+        try:
+            if length:
+                await self.engine.from_store(views(obj.chunks, offset, length),
+                                             region, region_offset)
+        finally:
+            self.tiers.unpin(obj)
+        node.atime_ns = self.clock()
+        self.tiers.touch(node)
+        return length
+
+    async def write(self, fh: int, offset: int, length: int, region, region_offset: int) -> int:
+        handle = self._handle(fh)
+        if not handle.writable:
+            raise FsError(errno.EBADF, "handle is not open for writing")
+        if offset < 0 or length < 0:
+            raise FsError(errno.EINVAL, "negative offset or length")
+        if offset + length > MAX_FILE_SIZE:
+            raise FsError(errno.EFBIG)
+        if not length:
+            return 0
+        node = handle.node
+        obj = node.obj
+        async with obj.content_lock():
+            if obj.chunks is None:
+                await self.tiers.promote(node)
+            self.tiers.begin_modify(node)
+            end = offset + length
+            first, last = offset // CHUNK_SIZE, (end - 1) // CHUNK_SIZE
+            if len(obj.chunks) <= last:
+                obj.chunks.extend([None] * (last + 1 - len(obj.chunks)))
+            missing = [i for i in range(first, last + 1) if obj.chunks[i] is None]
+            whole = [i for i in missing
+                     if offset <= i * CHUNK_SIZE and (i + 1) * CHUNK_SIZE <= end]
+            partial = [i for i in missing if i not in whole]
+            for i, c in zip(whole, await self.tiers.take_chunks(len(whole), zero=False)):
+                obj.chunks[i] = c
+            for i, c in zip(partial, await self.tiers.take_chunks(len(partial))):
+                obj.chunks[i] = c
+            self.tiers.pin(obj)
+            try:
+                await self.engine.to_store(region, region_offset, views(obj.chunks, offset, length))
+            finally:
+                self.tiers.unpin(obj)
+            if end > node.size:
+                self._set_size(node, end)
+            node.mtime_ns = node.ctime_ns = self.clock()
+            obj.version += 1
+        return length
+
+    async def flush(self, fh: int) -> None:
+        node = self._handle(fh).node
+        obj = node.obj
+        if self.tiers.write_through and obj.dirty and self.tiers.nvme is not None:
+            async with obj.content_lock():
+                if not await self.tiers.writeback(node) and obj.dirty and node.parent is not None:
+                    raise FsError(errno.EIO, "write-through to NVMe failed")
+
+    def release(self, fh: int) -> None:
+        handle = self.handles.pop(fh, None)
+        if handle is None:
+            raise FsError(errno.EBADF, f"no open handle {fh}")
+        node = handle.node
+        obj = node.obj
+        obj.opens -= 1
+        if handle.writable:
+            obj.writers -= 1
+            if not obj.writers:
+                self.tiers.queue_writeback(node)
+        self._maybe_destroy(node)
+
+    def release_session(self, session: int) -> int:
+        """Closes what a client that went away left open."""
+        fhs = [h.fh for h in self.handles.values() if h.session == session]
+        for fh in fhs:
+            self.release(fh)
+        return len(fhs)
+
+    def unlink(self, parent: int, name: bytes) -> None:
+        node = self.ns.unlink(parent, name)
+        self._unlinked(node)
+
+    def rmdir(self, parent: int, name: bytes) -> None:
+        node = self.ns.rmdir(parent, name)
+        self.tiers.log(index.drop_record(node.ino))
+
+    def rename(self, parent: int, name: bytes, new_parent: int, new_name: bytes,
+               flags: int = 0) -> None:
+        node, replaced = self.ns.rename(parent, name, new_parent, new_name, flags)
+        if replaced is not None:
+            if replaced.is_dir:
+                self.tiers.log(index.drop_record(replaced.ino))
+            else:
+                self._unlinked(replaced)
+        if node.is_dir or node.obj.persisted:
+            self.tiers.log(index.move_record(node))
+        if not node.is_dir:
+            self._note_name(node)
+
+    def readdir(self, ino: int, offset: int, limit: int = 1024) -> list:
+        return self.ns.readdir(ino, offset, limit)
+
+    def statfs(self) -> dict:
+        tiers = self.tiers
+        capacity = tiers.nvme.capacity if tiers.nvme is not None else tiers.dram.capacity
+        used = min(capacity, self.logical_bytes)
+        bsize = 4096
+        return {"bsize": bsize, "frsize": bsize, "blocks": capacity // bsize,
+                "bfree": (capacity - used) // bsize, "bavail": (capacity - used) // bsize,
+                "files": len(self.ns.inodes), "ffree": 1 << 32, "namemax": 255}
+
+    # -- operator commands -----------------------------------------------------------------
+
+    def evict(self, path: str | None) -> dict:
+        """Removes files from the cache (a path, a directory's tree, or everything)."""
+        top = self.ns.resolve(path or "/")
+        removed = skipped = 0
+        for node in list(self.ns.walk(top)):
+            if node.is_dir or node.parent is None:
+                continue
+            if node.obj.busy:
+                skipped += 1
+                continue
+            self.remove_object(node, "evicted by operator")
+            removed += 1
+        return {"removed": removed, "skipped_open": skipped}
+
+    def usage(self, path: str | None) -> dict:
+        top = self.ns.resolve(path or "/")
+        out = {"files": 0, "dirs": 0, "bytes": 0, "dram_bytes": 0, "nvme_bytes": 0, "dirty": 0}
+        for node in self.ns.walk(top):
+            if node.is_dir:
+                out["dirs"] += 1
+                continue
+            out["files"] += 1
+            out["bytes"] += node.size
+            if node.obj.resident:
+                out["dram_bytes"] += node.size
+            if node.obj.persisted:
+                out["nvme_bytes"] += node.size
+            out["dirty"] += node.obj.dirty
+        return out
+
+    def tier_of(self, node: Inode) -> str:
+        obj = node.obj
+        if obj is None:
+            return "dir"
+        where = [t for t, here in (("dram", obj.resident), ("nvme", obj.persisted)) if here]
+        return "+".join(where) or "none"
+
+    async def collect_orphans(self) -> int:
+        """Removes `*.tmp` files nobody has open whose mtime is older than tmp_max_age:
+        crashed writers leave them, and no connector cleans them up."""
+        if not self.tmp_max_age:
+            return 0
+        cutoff = self.clock() - int(self.tmp_max_age * 1e9)
+        count = 0
+        for ino in list(self.tmp_inos):
+            node = self.ns.inodes.get(ino)
+            if node is None or node.obj is None or node.obj.busy or node.mtime_ns > cutoff:
+                continue
+            if node.parent is not None:
+                self.remove_object(node, "orphaned temporary file")
+                count += 1
+        if count:
+            self.tiers.stats.tmp_collected += count
+            log.info("collected %d orphaned .tmp files", count)
+        return count
+
+    async def maintain(self, interval: float = 10.0) -> None:
+        """Background housekeeping: orphan collection and journal checkpoints."""
+        journal = self.tiers.journal
+        while True:
+            await trio.sleep(interval)
+            await self.collect_orphans()
+            if journal is not None and journal.journal_bytes > self.tiers.journal_max_bytes:
+                self.checkpoint()
+
+    def root(self) -> Inode:
+        return self.ns.inodes[ROOT_INO]

@@ -1,0 +1,398 @@
+"""Where object bytes live: DRAM chunks, NVMe extents, and the moves between them.
+
+Write-behind (DRAM -> NVMe), promotion (NVMe -> DRAM, checksum verified), eviction by
+watermarks in LRU order, and the index journal that makes NVMe contents survive restarts.
+Removing an object from the namespace is the store's business: the tiers ask it through
+`remove_object`.
+"""
+
+import errno
+import logging
+import struct
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import crc32c
+import trio
+
+from . import index
+from .dram import CHUNK_SIZE, DramPool
+from .journal import Journal
+from .namespace import FsError, Inode
+from .nvme import SegmentStore
+from .objects import ZERO_CHUNK, StoredObject, chunk_count
+
+log = logging.getLogger("bluecached.tiers")
+
+WRITEBACK_STALL_S = 10  # a write waiting for write-behind re-checks at least this often
+
+
+@dataclass
+class TierStats:
+    hits: int = 0
+    misses: int = 0
+    evictions: int = 0
+    bytes_in: int = 0
+
+    def as_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+@dataclass
+class Watermarks:
+    high: float
+    low: float
+
+
+@dataclass
+class Counters:
+    dram: TierStats = field(default_factory=TierStats)
+    nvme: TierStats = field(default_factory=TierStats)
+    checksum_failures: int = 0
+    writeback_failures: int = 0
+    tmp_collected: int = 0
+
+
+def _crc_and_write(nvme: SegmentStore, extent, chunks: list, size: int) -> bytes:
+    """Worker thread: checksum each chunk, then write them all in one call."""
+    bufs = [c if c is not None else ZERO_CHUNK for c in chunks]
+    crcs = struct.pack(
+        f"<{len(bufs)}I",
+        *(crc32c.crc32c(memoryview(b)[: min(CHUNK_SIZE, size - i * CHUNK_SIZE)])
+          for i, b in enumerate(bufs)))
+    nvme.write(extent, [memoryview(b) for b in bufs], size)
+    nvme.sync()
+    return crcs
+
+
+def _read_and_verify(nvme: SegmentStore, extent, chunks: list, size: int, crcs: bytes) -> int:
+    """Worker thread: read the extent into chunks; returns the index of the first chunk whose
+    CRC32C does not match, or -1."""
+    nvme.read(extent, [memoryview(c) for c in chunks], size)
+    expected = struct.unpack(f"<{len(chunks)}I", crcs) if len(crcs) == 4 * len(chunks) else None
+    if expected is None:
+        return 0
+    for i, chunk in enumerate(chunks):
+        n = min(CHUNK_SIZE, size - i * CHUNK_SIZE)
+        if crc32c.crc32c(memoryview(chunk)[:n]) != expected[i]:
+            return i
+        if n < CHUNK_SIZE:  # past the end reads as zeros (the disk holds padding there)
+            chunk[n:] = bytes(CHUNK_SIZE - n)
+    return -1
+
+
+class Tiers:
+    def __init__(self, dram: DramPool, dram_marks: Watermarks,
+                 nvme: SegmentStore | None, nvme_marks: Watermarks,
+                 journal: Journal | None, write_through: bool, journal_max_bytes: int,
+                 remove_object):
+        self.dram = dram
+        self.dram_marks = dram_marks
+        self.nvme = nvme
+        self.nvme_marks = nvme_marks
+        self.journal = journal
+        self.write_through = write_through
+        self.journal_max_bytes = journal_max_bytes
+        self._remove_object = remove_object  # (inode, reason) -> None: the store unlinks it
+        self.stats = Counters()
+        self.lru_dram: OrderedDict[int, Inode] = OrderedDict()   # resident objects
+        self.lru_nvme: OrderedDict[int, Inode] = OrderedDict()   # persisted objects
+        self.dirty_bytes = 0
+        self._wb_send, self._wb_recv = trio.open_memory_channel(float("inf"))
+        self._space = trio.Event()       # set whenever chunks or extents were freed
+        self._pressure = trio.Event()    # wakes the evictor
+        self._checkpointing = False
+
+    # -- journal ---------------------------------------------------------------------------
+
+    def log(self, record) -> None:
+        if self.journal is not None:
+            self.journal.append(record)
+
+    # -- LRU and accounting ----------------------------------------------------------------
+
+    def touch(self, node: Inode) -> None:
+        obj = node.obj
+        if obj.chunks is not None and node.ino in self.lru_dram:
+            self.lru_dram.move_to_end(node.ino)
+        if obj.persisted and node.ino in self.lru_nvme:
+            self.lru_nvme.move_to_end(node.ino)
+
+    def mark_resident(self, node: Inode) -> None:
+        self.lru_dram[node.ino] = node
+
+    def _signal_space(self) -> None:
+        self._space.set()
+        self._space = trio.Event()
+
+    def give_chunks(self, obj: StoredObject, chunks) -> None:
+        """Returns chunks to the pool, later if an operation still reads them."""
+        chunks = [c for c in chunks if c is not None]
+        if obj.pins:
+            obj.deferred.extend(chunks)
+            return
+        for c in chunks:
+            self.dram.give(c)
+        if chunks:
+            self._signal_space()
+
+    def pin(self, obj: StoredObject) -> None:
+        obj.pins += 1
+
+    def unpin(self, obj: StoredObject) -> None:
+        obj.pins -= 1
+        if obj.pins == 0 and obj.deferred:
+            deferred, obj.deferred = obj.deferred, []
+            self.give_chunks(obj, deferred)
+
+    def drop_dram(self, node: Inode) -> None:
+        obj = node.obj
+        if obj.chunks is not None:
+            chunks, obj.chunks = obj.chunks, None
+            self.give_chunks(obj, chunks)
+        self.lru_dram.pop(node.ino, None)
+        if obj.dirty:
+            obj.dirty = False
+            self.dirty_bytes -= node.size
+
+    def unpersist(self, node: Inode) -> None:
+        """The journal stops naming this content (DROP). The extent stays readable for handles
+        still open on an unlinked file until `free_extent`."""
+        obj = node.obj
+        if obj.persisted:
+            self.log(index.drop_record(node.ino))
+            obj.persisted = False
+        self.lru_nvme.pop(node.ino, None)
+
+    def free_extent(self, node: Inode) -> None:
+        obj = node.obj
+        if obj.extent is not None:
+            self.nvme.free(obj.extent)  # after the DROP: rule 2 in docs/architecture.md
+            obj.extent = None
+            self._signal_space()
+        obj.crcs = b""
+
+    def drop_nvme(self, node: Inode) -> None:
+        self.unpersist(node)
+        self.free_extent(node)
+
+    def forget(self, node: Inode) -> None:
+        self.drop_dram(node)
+        self.drop_nvme(node)
+
+    def begin_modify(self, node: Inode) -> None:
+        """The content is about to change: the NVMe copy is no longer this file's content."""
+        obj = node.obj
+        obj.version += 1
+        if obj.persisted or obj.extent is not None:
+            self.drop_nvme(node)
+        if not obj.dirty:
+            obj.dirty = True
+            self.dirty_bytes += node.size
+
+    def resize_dirty(self, node: Inode, new_size: int) -> None:
+        if node.obj.dirty:
+            self.dirty_bytes += new_size - node.size
+
+    # -- DRAM space ------------------------------------------------------------------------
+
+    def _evictable_dram(self):
+        for node in self.lru_dram.values():
+            obj = node.obj
+            if obj.busy:
+                continue
+            if self.nvme is None or not obj.dirty:
+                yield node
+
+    def _evict_dram_one(self) -> bool:
+        for node in self._evictable_dram():
+            self.stats.dram.evictions += 1
+            if node.obj.dirty or not node.obj.persisted:
+                # No tier below holds it: evicting it from DRAM removes it.
+                self._remove_object(node, "evicted from dram")
+            else:
+                self.drop_dram(node)
+            return True
+        return False
+
+    def _writeback_can_help(self) -> bool:
+        return self.nvme is not None and any(
+            n.obj.dirty and not n.obj.writers for n in self.lru_dram.values())
+
+    async def take_chunks(self, count: int, zero: bool = True) -> list:
+        """`count` chunks, evicting to make room. ENOSPC only when nothing can be evicted:
+        every resident object is open, in flight, or dirty with no NVMe room to go to."""
+        got = []
+        try:
+            while len(got) < count:
+                chunk = self.dram.take(zero)
+                if chunk is not None:
+                    got.append(chunk)
+                elif not self._evict_dram_one():
+                    await self._wait_for_writeback()
+        except BaseException:
+            for c in got:
+                self.dram.give(c)
+            raise
+        if self.dram.used_bytes > self.dram_marks.high * self.dram.capacity:
+            self._pressure.set()
+        return got
+
+    async def _wait_for_writeback(self) -> None:
+        if self._writeback_can_help():
+            failures = self.stats.writeback_failures
+            self.kick_writeback_all()
+            with trio.move_on_after(WRITEBACK_STALL_S):
+                await self._space.wait()
+                return
+            if self.stats.writeback_failures > failures:
+                raise FsError(errno.ENOSPC, "DRAM tier is full of data the NVMe tier cannot take")
+        elif any(n.obj.busy and not n.obj.opens for n in self.lru_dram.values()):
+            await trio.sleep(0.005)  # a write-behind or promotion is finishing: retry soon
+        else:
+            raise FsError(errno.ENOSPC, "DRAM tier is full of open or in-flight objects")
+
+    # -- promotion (NVMe -> DRAM) ----------------------------------------------------------
+
+    async def promote(self, node: Inode) -> None:
+        """Makes a persisted object resident. Caller holds the object's content lock."""
+        obj = node.obj
+        if obj.chunks is not None:
+            self.stats.dram.hits += 1
+            return
+        self.stats.dram.misses += 1
+        if obj.extent is None and node.size:
+            raise FsError(errno.EIO, f"inode {node.ino} has no content in any tier")
+        n = chunk_count(node.size)
+        chunks = await self.take_chunks(n, zero=False)
+        if obj.extent is None:  # an empty file
+            obj.chunks = chunks
+            self.mark_resident(node)
+            return
+        self.pin(obj)
+        try:
+            bad = await trio.to_thread.run_sync(
+                _read_and_verify, self.nvme, obj.extent, chunks, node.size, obj.crcs)
+        except OSError as e:
+            self.unpin(obj)
+            for c in chunks:
+                self.dram.give(c)
+            log.error("reading inode %d from NVMe failed: %s", node.ino, e)
+            raise FsError(errno.EIO, f"NVMe read failed: {e}") from None
+        self.unpin(obj)
+        if bad >= 0:
+            for c in chunks:
+                self.dram.give(c)
+            self.stats.checksum_failures += 1
+            log.error("checksum mismatch in inode %d (%s) chunk %d: object removed",
+                      node.ino, node.name, bad)
+            self._remove_object(node, "checksum mismatch")
+            raise FsError(errno.EIO, "checksum mismatch: object removed")
+        self.stats.nvme.hits += 1
+        obj.chunks = chunks
+        self.mark_resident(node)
+
+    # -- write-behind (DRAM -> NVMe) -------------------------------------------------------
+
+    def queue_writeback(self, node: Inode) -> None:
+        obj = node.obj
+        if self.nvme is None or obj.queued or not obj.dirty or obj.writers:
+            return
+        obj.queued = True
+        self._wb_send.send_nowait(node)
+
+    def kick_writeback_all(self) -> None:
+        for node in list(self.lru_dram.values()):
+            self.queue_writeback(node)
+
+    async def _allocate_extent(self, length: int):
+        while True:
+            extent = self.nvme.allocate(length)
+            if extent is not None:
+                return extent
+            if not self._evict_nvme_one():
+                return None
+
+    def _evict_nvme_one(self) -> bool:
+        for node in self.lru_nvme.values():
+            if node.obj.busy:
+                continue
+            self.stats.nvme.evictions += 1
+            self._remove_object(node, "evicted from nvme")
+            return True
+        return False
+
+    async def writeback(self, node: Inode) -> bool:
+        """Writes an object's DRAM content to NVMe. False if it changed meanwhile or no space."""
+        obj = node.obj
+        if not obj.dirty or obj.chunks is None or node.parent is None:
+            return False  # an unlinked file needs no persisting
+        version, size = obj.version, node.size
+        chunks = list(obj.chunks[: chunk_count(size)])
+        chunks += [None] * (chunk_count(size) - len(chunks))
+        extent = None
+        if size:
+            extent = await self._allocate_extent(size)
+            if extent is None:
+                self.stats.writeback_failures += 1
+                self._signal_space()
+                log.warning("no NVMe space for inode %d (%d bytes): stays in DRAM",
+                            node.ino, size)
+                return False
+        self.pin(obj)
+        try:
+            crcs = b""
+            if extent is not None:
+                crcs = await trio.to_thread.run_sync(
+                    _crc_and_write, self.nvme, extent, chunks, size)
+        except OSError as e:
+            self.nvme.free(extent)
+            self.stats.writeback_failures += 1
+            self._signal_space()
+            log.error("write-behind of inode %d failed: %s", node.ino, e)
+            return False
+        finally:
+            self.unpin(obj)
+        if obj.version != version or not obj.dirty or node.parent is None:
+            if extent is not None:
+                self.nvme.free(extent)
+            return False
+        obj.extent, obj.crcs, obj.persisted = extent, crcs, True
+        self.log(index.file_record(node, extent, crcs))
+        obj.dirty = False
+        self.dirty_bytes -= size
+        self.lru_nvme[node.ino] = node
+        self.stats.nvme.bytes_in += size
+        self._signal_space()
+        self.maybe_pressure_nvme()
+        return True
+
+    def maybe_pressure_nvme(self) -> None:
+        if self.nvme and self.nvme.used_bytes > self.nvme_marks.high * self.nvme.capacity:
+            self._pressure.set()
+
+    async def writeback_worker(self) -> None:
+        async for node in self._wb_recv:
+            node.obj.queued = False
+            if node.obj.writers or not node.obj.dirty:
+                continue  # queued again at its last release, or already written
+            async with node.obj.content_lock():
+                await self.writeback(node)
+
+    # -- eviction by watermarks ------------------------------------------------------------
+
+    def evict_to_watermarks(self) -> None:
+        while self.dram.used_bytes > self.dram_marks.low * self.dram.capacity:
+            if not self._evict_dram_one():
+                self.kick_writeback_all()
+                break
+        while self.nvme and self.nvme.used_bytes > self.nvme_marks.low * self.nvme.capacity:
+            if not self._evict_nvme_one():
+                break
+
+    async def evictor(self) -> None:
+        while True:
+            await self._pressure.wait()
+            self._pressure = trio.Event()
+            self.evict_to_watermarks()
+            await trio.sleep(0)

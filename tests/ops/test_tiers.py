@@ -1,0 +1,192 @@
+"""Capacity, eviction order, watermarks and the never-ENOSPC promise."""
+
+import errno
+import os
+
+import pytest
+
+from bluecached.namespace import ROOT_INO, FsError
+from support import MiB, pattern, run
+
+
+def names(h):
+    return {n.name.decode() for n in h.store.ns.inodes.values()
+            if not n.is_dir and n.parent is not None}
+
+
+def test_dram_eviction_demotes_least_recently_used_to_nvme(harness):
+    h = harness(dram=16 * MiB, nvme=256 * MiB, marks=(0.9, 0.5))
+
+    async def main():
+        for i in range(4):
+            await h.put(f"/f{i}", pattern(str(i), 3 * MiB))
+            await h.settle()
+        await h.get("/f0")                   # f0 becomes the most recently used
+        await h.put("/f4", pattern("4", 6 * MiB))   # needs room: evicts f1 first, then f2
+        tiers = h.store.tiers
+        resident = {n.name.decode() for n in tiers.lru_dram.values()}
+        assert "f1" not in resident and "f0" in resident
+        assert names(h) == {f"f{i}" for i in range(5)}       # demoted, not deleted
+        for i in range(4):
+            assert await h.get(f"/f{i}") == pattern(str(i), 3 * MiB)
+
+    run(main)
+    assert h.store.tiers.stats.dram.evictions >= 1
+    h.check_consistency()
+
+
+def test_nvme_eviction_deletes_lru_and_publishes(harness):
+    h = harness(dram=8 * MiB, nvme=24 * MiB, segment=8 * MiB, nvme_marks=(0.95, 0.5))
+
+    async def main():
+        for i in range(12):                   # 48 MiB through a 24 MiB NVMe tier
+            await h.put(f"/b{i}", pattern(str(i), 4 * MiB))
+            await h.settle()
+            h.store.tiers.evict_to_watermarks()
+        present = names(h)
+        assert "b11" in present and "b0" not in present
+        for name in present:
+            assert await h.get(f"/{name}") == pattern(name[1:], 4 * MiB)
+        return present
+
+    present = run(main)
+    removed = {e[1]["name"].decode() for e in h.events if e[0] == "removed"}
+    assert removed == {f"b{i}" for i in range(12)} - present
+    assert h.store.tiers.nvme.used_bytes <= 24 * MiB
+    h.check_consistency()
+
+
+def test_writes_never_fail_while_something_is_evictable(harness):
+    h = harness(dram=8 * MiB, nvme=16 * MiB, segment=16 * MiB)
+
+    async def main():
+        for i in range(40):                   # 160 MiB through 8 + 16 MiB
+            await h.put(f"/n{i}", pattern(str(i), 4 * MiB))
+        await h.settle()
+        assert await h.get("/n39") == pattern("39", 4 * MiB)
+
+    h.serve(main)
+    h.check_consistency()
+
+
+def test_open_files_are_never_evicted_and_enospc_names_why(harness):
+    h = harness(dram=4 * MiB, nvme=0)
+
+    async def main():
+        handles = []
+        for i in range(4):
+            handle = await h.store.create(ROOT_INO, f"o{i}".encode(), 0o644, 0, 0, os.O_RDWR)
+            await h.write(handle.fh, 0, pattern(str(i), MiB))
+            handles.append(handle)
+        extra = await h.store.create(ROOT_INO, b"extra", 0o644, 0, 0, os.O_RDWR)
+        with pytest.raises(FsError) as e:
+            await h.write(extra.fh, 0, b"x")
+        assert e.value.errno == errno.ENOSPC and "open" in str(e.value)
+        for i, handle in enumerate(handles):
+            assert await h.read(handle.fh, 0, MiB) == pattern(str(i), MiB)
+            h.store.release(handle.fh)
+        await h.write(extra.fh, 0, b"x")     # now something is evictable
+        h.store.release(extra.fh)
+
+    run(main)
+    h.check_consistency()
+
+
+def test_without_nvme_dram_eviction_removes(harness):
+    h = harness(dram=4 * MiB, nvme=0)
+
+    async def main():
+        for i in range(6):
+            await h.put(f"/z{i}", pattern(str(i), MiB))
+        assert names(h) == {"z2", "z3", "z4", "z5"}
+
+    run(main)
+    assert {e[1]["name"] for e in h.events} == {b"z0", b"z1"}
+    h.check_consistency()
+
+
+def test_unlink_while_open_keeps_working_until_close(harness):
+    h = harness()
+
+    async def main():
+        await h.put("/u", pattern("u", 2 * MiB))
+        await h.settle()
+        node = h.store.ns.resolve("/u")
+        h.store.tiers.drop_dram(node)
+        handle = await h.store.open(node.ino, os.O_RDONLY)
+        h.store.unlink(ROOT_INO, b"u")
+        with pytest.raises(FsError):
+            h.store.lookup(ROOT_INO, b"u")
+        assert await h.read(handle.fh, 0, 2 * MiB) == pattern("u", 2 * MiB)
+        used = h.store.tiers.nvme.used_bytes
+        h.store.release(handle.fh)
+        assert h.store.tiers.nvme.used_bytes < used   # space back at last close
+        assert node.ino not in h.store.ns.inodes
+
+    run(main)
+    h.reopen(clean=False)
+    with pytest.raises(FsError):
+        h.store.ns.resolve("/u")
+    h.check_consistency()
+
+
+def test_rename_while_open_for_writing_ends_complete_under_new_name(harness):
+    """The llm-d sequence: create tmp, one big write, rename while open, then close."""
+    h = harness()
+    data = pattern("llmd", 32 * MiB)
+
+    async def main():
+        await h.put("/dir/block.bin", pattern("old", 32 * MiB))   # an existing version
+        await h.settle()
+        parent = h.store.ns.resolve("/dir").ino
+        handle = await h.store.create(parent, b"block.bin_x1.tmp", 0o666, 0, 0,
+                                      os.O_WRONLY | os.O_TRUNC)
+        await h.write(handle.fh, 0, data)
+        h.store.rename(parent, b"block.bin_x1.tmp", parent, b"block.bin")
+        assert await h.get("/dir/block.bin") == data
+        await h.store.flush(handle.fh)
+        h.store.release(handle.fh)
+        await h.settle()
+
+    run(main)
+    assert not h.store.tmp_inos
+    h.reopen(clean=False)
+    assert run(h.get, "/dir/block.bin") == data
+    assert [n for n in h.store.ns.inodes.values() if not n.is_dir].__len__() == 1
+    h.check_consistency()
+
+
+def test_orphaned_tmp_files_are_collected(harness):
+    h = harness(tmp_max_age=60)
+    now = [10**18]
+    h.store.clock = h.store.ns.clock = lambda: now[0]
+
+    async def main():
+        await h.put("/a/x.bin_1.tmp", b"orphan")
+        await h.put("/a/y.bin", b"keep")
+        handle = await h.store.create(h.store.ns.resolve("/a").ino, b"open.tmp", 0o644, 0, 0,
+                                      os.O_WRONLY)
+        now[0] += 30 * 10**9
+        assert await h.store.collect_orphans() == 0       # too young
+        now[0] += 61 * 10**9
+        assert await h.store.collect_orphans() == 1       # the open one stays
+        h.store.release(handle.fh)
+        assert names(h) == {"y.bin", "open.tmp"}
+
+    run(main)
+    h.check_consistency()
+
+
+def test_write_through_persists_before_flush_returns(harness):
+    h = harness(write_through=True)
+
+    async def main():
+        handle = await h.store.create(ROOT_INO, b"wt", 0o644, 0, 0, os.O_WRONLY)
+        await h.write(handle.fh, 0, pattern("wt", 3 * MiB))
+        await h.store.flush(handle.fh)
+        assert handle.node.obj.persisted
+        h.store.release(handle.fh)
+
+    run(main)
+    h.reopen(clean=False)
+    assert run(h.get, "/wt") == pattern("wt", 3 * MiB)
