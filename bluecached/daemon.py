@@ -287,16 +287,17 @@ def main(argv: list[str] | None = None) -> int:
         print(f"bluecached: {e}", file=sys.stderr)
         return 2
     _setup_logging(cfg.log_level)
+    status = 0
     try:
         daemon = Daemon(cfg, path)
         trio.run(daemon.run, strict_exception_groups=True)
     except* StartupError as group:
         for e in group.exceptions:
             log.error("cannot start: %s", e)
-        return 1
+        status = 1
     except* KeyboardInterrupt:
-        return 130
-    return 0
+        status = 130
+    return status
 
 
 if __name__ == "__main__":

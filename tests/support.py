@@ -176,3 +176,169 @@ class Harness:
             self.store.tiers.journal.close()
         self.regions.remove(self.region.id)
         self.shm.close()
+
+
+# -- a real bluecached process ---------------------------------------------------------------
+
+import contextlib  # noqa: E402
+import signal  # noqa: E402
+import socket  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+
+import yaml  # noqa: E402
+
+from bluecached import protocol  # noqa: E402
+from bluecached.client import RegionChannel, SyncClient  # noqa: E402
+
+
+class DaemonProcess:
+    """bluecached started the way systemd starts it: its own process, a config file, and a
+    NOTIFY_SOCKET on which the test reads READY=1."""
+
+    def __init__(self, root: Path, **settings):
+        self.root = root
+        root.mkdir(parents=True, exist_ok=True)
+        self.state_dir = root / "state"
+        cfg = {"state_dir": str(self.state_dir), "log_level": "info",
+               "tiers": {"dram": {"size": "256MiB"},
+                         "nvme": {"path": str(root / "nvme"), "size": "1GiB",
+                                  "segment_size": "256MiB"}},
+               "metrics": {"listen": ""}}
+        for key, value in settings.items():   # dotted keys: "tiers.dram.size"
+            node = cfg
+            *parents, last = key.split(".")
+            for p in parents:
+                node = node.setdefault(p, {})
+            node[last] = value
+        self.config = root / "bluecached.yaml"
+        self.config.write_text(yaml.safe_dump(cfg))
+        self.endpoints = protocol.state_dir_endpoints(str(self.state_dir))
+        self.proc: subprocess.Popen | None = None
+        self.log = root / "bluecached.log"
+        self.notify_messages: list[str] = []
+
+    def start(self, timeout: float = 30) -> "DaemonProcess":
+        notify_path = self.root / "notify.sock"
+        with contextlib.suppress(FileNotFoundError):
+            notify_path.unlink()
+        self._notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self._notify.bind(str(notify_path))
+        env = dict(os.environ, NOTIFY_SOCKET=str(notify_path), PYTHONUNBUFFERED="1")
+        with open(self.log, "ab") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "bluecached.daemon", "--config", str(self.config)],
+                stdout=subprocess.DEVNULL, stderr=log, env=env)
+        deadline = time.monotonic() + timeout
+        while not any("READY=1" in m for m in self.notify_messages):
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"bluecached exited with {self.proc.returncode}:\n"
+                                   + self.log.read_text())
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise RuntimeError("bluecached did not send READY=1:\n" + self.log.read_text())
+            self._notify.settimeout(min(remaining, 0.5))
+            with contextlib.suppress(TimeoutError):
+                self.notify_messages.append(self._notify.recv(4096).decode())
+        return self
+
+    def drain_notify(self) -> list[str]:
+        self._notify.settimeout(0.05)
+        with contextlib.suppress(TimeoutError, OSError):
+            while True:
+                self.notify_messages.append(self._notify.recv(4096).decode())
+        return self.notify_messages
+
+    def client(self, timeout: float = 10) -> SyncClient:
+        return SyncClient(self.endpoints["control"], timeout=timeout)
+
+    def regions(self) -> RegionChannel:
+        return RegionChannel(self.endpoints["regions"])
+
+    def stop(self, sig=signal.SIGTERM, timeout: float = 60) -> int:
+        """Signals the daemon (if it runs) and waits for it; returns its exit status."""
+        if self.proc is None:
+            return 0
+        try:
+            if self.proc.poll() is None:
+                self.proc.send_signal(sig)
+            return self.proc.wait(timeout)
+        finally:
+            if self._notify.fileno() >= 0:
+                self.drain_notify()
+                self._notify.close()
+
+    def kill(self) -> None:
+        self.stop(signal.SIGKILL)
+
+    def log_text(self) -> str:
+        return self.log.read_text()
+
+    def unexpected_log_lines(self, allowed=()) -> list[str]:
+        """WARNING/ERROR lines not matching any of `allowed` substrings, and tracebacks."""
+        bad = []
+        for line in self.log_text().splitlines():
+            if (" WARNING " in line or " ERROR " in line or "Traceback" in line) and \
+                    not any(a in line for a in allowed):
+                bad.append(line)
+        return bad
+
+
+class FileClient:
+    """Blocking file operations over the protocol, as hostd performs them (region + ops)."""
+
+    def __init__(self, daemon: DaemonProcess, region_size: int = 64 * MiB):
+        self.client = daemon.client()
+        self.channel = daemon.regions()
+        self.shm = SharedRegion(region_size)
+        self.region = self.channel.register(self.shm)
+
+    def mkdirs(self, path: str) -> tuple[int, bytes]:
+        parts = [p.encode() for p in path.strip("/").split("/")]
+        ino = ROOT_INO
+        for part in parts[:-1]:
+            try:
+                ino = self.client.call("mkdir", parent=ino, name=part, mode=0o755, uid=0,
+                                       gid=0)["ino"]
+            except OSError as e:
+                if e.errno != errno.EEXIST:
+                    raise
+                ino = self.client.call("lookup", parent=ino, name=part)["ino"]
+        return ino, parts[-1]
+
+    def put(self, path: str, data: bytes, step: int = 8 * MiB, tmp_suffix: str | None = None):
+        parent, name = self.mkdirs(path)
+        target = name + tmp_suffix.encode() if tmp_suffix else name
+        opened = self.client.call("create", parent=parent, name=target, mode=0o644, uid=0,
+                                  gid=0, flags=os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        for pos in range(0, len(data), step):
+            piece = data[pos:pos + step]
+            self.shm.view[:len(piece)] = piece
+            self.client.call("write", fh=opened["fh"], offset=pos, length=len(piece),
+                             region=self.region, region_offset=0)
+        if tmp_suffix:
+            self.client.call("rename", parent=parent, name=target, new_parent=parent,
+                             new_name=name)
+        self.client.call("release", fh=opened["fh"])
+
+    def get(self, path: str, step: int = 8 * MiB) -> bytes:
+        ino = ROOT_INO
+        for part in path.strip("/").split("/"):
+            ino = self.client.call("lookup", parent=ino, name=part.encode())["ino"]
+        opened = self.client.call("open", ino=ino, flags=os.O_RDONLY)
+        out = bytearray()
+        try:
+            while True:
+                n = self.client.call("read", fh=opened["fh"], offset=len(out), length=step,
+                                     region=self.region, region_offset=0)["length"]
+                if not n:
+                    return bytes(out)
+                out += self.shm.view[:n]
+        finally:
+            self.client.call("release", fh=opened["fh"])
+
+    def close(self) -> None:
+        self.client.close()
+        self.channel.close()
+        self.shm.close()
