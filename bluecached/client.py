@@ -115,8 +115,12 @@ class SyncClient:
         self.endpoint = endpoint
         self.timeout = timeout
         self._ids = itertools.count(1)
-        self.hello = self.call("hello", versions=list(protocol.SUPPORTED_VERSIONS),
-                               client=client_name)
+        try:
+            self.hello = self.call("hello", versions=list(protocol.SUPPORTED_VERSIONS),
+                                   client=client_name)
+        except BaseException:
+            self._sock.close()
+            raise
 
     def call(self, op: str, **args):
         rid = next(self._ids)

@@ -1,0 +1,154 @@
+"""The control socket under abuse and under load, and the CURVE-authenticated tcp transport."""
+
+import errno
+import os
+
+import msgpack
+import pytest
+import trio
+import zmq
+
+from bluecached import curve, protocol
+from bluecached.client import RemoteError, SyncClient, connect
+from bluecached.namespace import ROOT_INO
+from support import MiB, FileClient, pattern
+
+BAD_FRAMES = [
+    [b""], [b"\xc1"], [b"\x92\x01"],                     # empty, invalid, truncated array
+    [msgpack.packb({"v": 1, "id": 5, "op": "nope"})],
+    [msgpack.packb({"v": 1, "id": 6, "op": "getattr", "args": {"ino": "x"}})],
+    [msgpack.packb({"v": 1, "id": 7, "op": "read", "args": {"fh": 1}})],
+    [b"a", b"b", b"c"],                                  # too many frames
+    [protocol.encode_request(8, "ping", {}) + b"\0" * 100_000],   # oversized
+]
+
+
+def test_malformed_messages_get_errors_and_the_daemon_keeps_serving(daemon):
+    d = daemon(allow_log=["bad control message", "dropped a control message"]).start()
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(d.endpoints["control"])
+    for frames in BAD_FRAMES:
+        sock.send_multipart(frames)
+    replies = []
+    while sock.poll(1000):
+        replies.append(protocol.decode_reply(sock.recv()))
+    assert all(not r["ok"] for r in replies)
+    by_id = {r["id"]: r["errno"] for r in replies if r["id"] is not None}
+    assert by_id == {5: errno.ENOSYS, 6: errno.EINVAL, 7: errno.EINVAL}
+    anonymous = sorted(r["errno"] for r in replies if r["id"] is None)
+    assert anonymous == sorted([errno.EBADMSG] * 3 + [errno.EMSGSIZE])
+    # not said hello yet on this socket:
+    sock.send(protocol.encode_request(9, "getattr", {"ino": 1}))
+    assert sock.poll(5000)
+    reply = protocol.decode_reply(sock.recv())
+    assert reply["errno"] == errno.EPROTO and "hello" in reply["error"]
+    sock.close()
+    client = d.client()
+    assert client.call("getattr", ino=ROOT_INO)["ino"] == ROOT_INO
+    assert client.call("stats")["bad_messages"] >= len(BAD_FRAMES) - 1
+    client.close()
+    assert d.proc.poll() is None
+
+
+def test_version_handshake_refuses_unknown_versions(daemon):
+    d = daemon().start()
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(d.endpoints["control"])
+    sock.send(protocol.encode_request(1, "hello", {"versions": [7, 8]}))
+    assert sock.poll(5000)
+    reply = protocol.decode_reply(sock.recv())
+    assert not reply["ok"] and reply["errno"] == errno.EPROTO and "[7, 8]" in reply["error"]
+    sock.close()
+
+
+def test_bad_region_requests_are_refused(daemon):
+    d = daemon().start()
+    fc = FileClient(d, region_size=MiB)
+    opened = fc.client.call("create", parent=ROOT_INO, name=b"f", mode=0o644, uid=0, gid=0,
+                            flags=os.O_RDWR)
+    for region, offset, length, err in [(999, 0, 10, errno.EINVAL),
+                                        (fc.region, MiB - 5, 10, errno.EFAULT),
+                                        (fc.region, 1 << 63, 1, errno.EFAULT)]:
+        with pytest.raises(RemoteError) as e:
+            fc.client.call("write", fh=opened["fh"], offset=0, length=length, region=region,
+                           region_offset=offset)
+        assert e.value.errno == err
+    assert fc.client.call("getattr", ino=opened["attr"]["ino"])["size"] == 0   # nothing stored
+    with pytest.raises(RemoteError) as e:
+        fc.client.call("read", fh=12345, offset=0, length=1, region=fc.region, region_offset=0)
+    assert e.value.errno == errno.EBADF
+    fc.close()
+
+
+def test_many_clients_with_many_outstanding_requests(daemon):
+    d = daemon().start()
+    endpoint = d.endpoints["control"]
+
+    async def one_client(k: int):
+        async with connect(endpoint, client_name=f"c{k}") as client:
+            d_ino = (await client.call("mkdir", parent=ROOT_INO, name=f"c{k}".encode(),
+                                       mode=0o755, uid=0, gid=0))["ino"]
+
+            async def make(i):
+                await client.call("mkdir", parent=d_ino, name=b"%d" % i, mode=0o755, uid=0,
+                                  gid=0)
+
+            async with trio.open_nursery() as nursery:   # 200 requests in flight at once
+                for i in range(200):
+                    nursery.start_soon(make, i)
+            got = await client.call("readdir", ino=d_ino, offset=0, limit=4096)
+            assert sorted(int(e[0]) for e in got["entries"]) == list(range(200))
+
+    async def main():
+        async with trio.open_nursery() as nursery:
+            for k in range(8):
+                nursery.start_soon(one_client, k)
+
+    trio.run(main, strict_exception_groups=True)
+
+
+def test_mkdir_races_give_exactly_one_winner(daemon):
+    d = daemon().start()
+
+    async def main():
+        results = []
+        async with connect(d.endpoints["control"]) as client:
+            async def attempt():
+                try:
+                    await client.call("mkdir", parent=ROOT_INO, name=b"race", mode=0o777,
+                                      uid=0, gid=0)
+                    results.append("ok")
+                except RemoteError as e:
+                    results.append(e.errno)
+            async with trio.open_nursery() as nursery:
+                for _ in range(64):
+                    nursery.start_soon(attempt)
+        return results
+
+    results = trio.run(main, strict_exception_groups=True)
+    assert results.count("ok") == 1 and results.count(errno.EEXIST) == 63
+
+
+def test_tcp_with_curve_admits_only_known_clients(daemon, tmp_path):
+    keys = tmp_path / "curve"
+    curve.generate(keys, "server")
+    (keys / "clients").mkdir()
+    pub, _ = curve.generate(keys, "host1")
+    (keys / "clients" / "host1.key").write_bytes(pub.read_bytes())
+    curve.generate(tmp_path / "other", "server")
+    curve.generate(tmp_path / "other", "intruder")
+    d = daemon(**{"control.listen": "tcp://127.0.0.1:17400",
+                  "control.events": "tcp://127.0.0.1:17401",
+                  "control.curve_dir": str(keys)}).start()
+    client = SyncClient("tcp://127.0.0.1:17400", curve.client_keys(keys, "host1"))
+    assert client.call("getattr", ino=ROOT_INO)["ino"] == ROOT_INO
+    client.close()
+    intruder = curve.client_keys(tmp_path / "other", "intruder")
+    intruder["server_public"] = curve.client_keys(keys, "host1")["server_public"]
+    with pytest.raises(RemoteError) as e:
+        SyncClient("tcp://127.0.0.1:17400", intruder, timeout=1.5)
+    assert e.value.errno == errno.ETIMEDOUT
+    with pytest.raises(RemoteError):    # no keys at all
+        SyncClient("tcp://127.0.0.1:17400", None, timeout=1.5)
