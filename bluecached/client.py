@@ -85,6 +85,13 @@ class AsyncClient:
             del self._waiting[rid]
         return _result(slot[1])
 
+    def fail_pending(self, err: int, message: str) -> None:
+        """Wakes every caller still waiting with an error (the daemon went away: their
+        replies will never come)."""
+        for slot in self._waiting.values():
+            slot[1] = {"ok": False, "errno": err, "error": message}
+            slot[0].set()
+
     async def handshake(self, timeout: float | None = 10, replaces: int | None = None) -> dict:
         args = {"versions": list(protocol.SUPPORTED_VERSIONS), "client": self.client_name}
         if replaces is not None:

@@ -125,7 +125,7 @@ class Journal:
         if len(data) < hsize or data[:len(SNAP_MAGIC)] != SNAP_MAGIC:
             raise JournalError(f"{path}: not an index snapshot (bad magic); refusing to start "
                                "rather than lose the index")
-        magic, version, gen, count = _SNAP_HEADER.unpack_from(data)
+        _, version, gen, count = _SNAP_HEADER.unpack_from(data)
         if _CRC.unpack_from(data, _SNAP_HEADER.size)[0] != _crc(data[:_SNAP_HEADER.size]):
             raise JournalError(f"{path}: corrupt header (crc mismatch); refusing to start "
                                "rather than lose the index")

@@ -143,8 +143,11 @@ class SegmentStore:
         self.used_bytes = 0
         self._nsegs = -(-capacity // segment_size)
         self._fds: dict[int, int] = {}
-        self._dirty: set[int] = set()
-        self._dir_dirty = False
+        # Completed writes per segment, and how many of them an fdatasync has covered. Counters,
+        # not a dirty flag: a sync must not return while another thread's fdatasync that took
+        # over its segment is still running. Key -1 counts created segment files (the directory).
+        self._written: dict[int, int] = {}
+        self._synced: dict[int, int] = {}
         self._lock = threading.Lock()
         self._closed = False
         self.o_direct = False
@@ -196,7 +199,7 @@ class SegmentStore:
 
     def free_extents(self) -> Iterator[Extent]:
         """The free extents in address order (coalesced)."""
-        for starts, lens in zip(self._starts, self._lens):
+        for starts, lens in zip(self._starts, self._lens, strict=True):
             yield from map(Extent, starts, lens)
 
     def allocate(self, length: int) -> Extent | None:
@@ -331,7 +334,8 @@ class SegmentStore:
             try:
                 if create and os.fstat(fd).st_size < self._seg_len(k):
                     os.ftruncate(fd, self._seg_len(k))  # sparse: costs no space until written
-                    self._dir_dirty = True
+                    if self.durable:
+                        self._written[-1] = self._written.get(-1, 0) + 1
             except OSError as e:
                 os.close(fd)
                 raise NvmeError(e.errno, f"ftruncate: {e.strerror}", str(path)) from e
@@ -396,7 +400,7 @@ class SegmentStore:
                     page.release()
         if self.durable:
             with self._lock:
-                self._dirty.add(k)
+                self._written[k] = self._written.get(k, 0) + 1
 
     def read(self, extent: Extent, chunks: Sequence[memoryview], length: int) -> None:
         """Reads the extent's first `length` bytes into the chunks (the pad too, where they have
@@ -417,22 +421,24 @@ class SegmentStore:
                 page.release()
 
     def sync(self) -> None:
-        """Makes completed writes durable (a no-op unless durable)."""
+        """Makes the writes completed before the call durable (a no-op unless durable).
+        Thread-safe."""
         if not self.durable:
             return
         with self._lock:
-            dirty, self._dirty = self._dirty, set()
-            dir_dirty, self._dir_dirty = self._dir_dirty, False
-            fds = {k: self._fds[k] for k in dirty}
+            todo = sorted((k, n) for k, n in self._written.items() if self._synced.get(k, 0) < n)
         try:
-            for k in sorted(fds):
-                os.fdatasync(fds[k])
-            if dir_dirty:  # new segment files' names
-                dfd = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-                try:
-                    os.fsync(dfd)
-                finally:
-                    os.close(dfd)
+            for k, n in todo:
+                if k < 0:  # new segment files' names
+                    dfd = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+                    try:
+                        os.fsync(dfd)
+                    finally:
+                        os.close(dfd)
+                else:
+                    os.fdatasync(self._fds[k])
+                with self._lock:
+                    self._synced[k] = max(self._synced.get(k, 0), n)
         except OSError as e:
             raise NvmeError(e.errno, f"sync: {e.strerror}", str(self.path)) from e
 

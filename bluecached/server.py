@@ -178,8 +178,8 @@ class ControlServer:
 
     async def op_readdir(self, session, ino, offset, limit=1024) -> dict:
         entries = self.store.readdir(ino, offset, max(1, min(limit, 4096)))
-        return {"entries": [[name, node.ino, node.mode, cookie]
-                            for name, node, cookie in entries]}
+        # Full attributes: the kernel uses READDIRPLUS and caches what it is given.
+        return {"entries": [[name, attrs(node), cookie] for name, node, cookie in entries]}
 
     async def op_statfs(self, session) -> dict:
         return self.store.statfs()

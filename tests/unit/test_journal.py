@@ -138,7 +138,8 @@ def test_flipped_byte_ends_replay_with_one_warning(tmp_path, caplog):
         j.append(rec(i))
     j.close()
     path = d / "journal-00000000.log"
-    for where in (offsets[3] + 2, offsets[3] + 8 + 5, offsets[3]):  # crc, payload, length
+    # the crc, a byte of the name (still valid msgpack), the length
+    for where in (offsets[3] + 5, offsets[3] + 8 + 7, offsets[3]):
         data = bytearray(path.read_bytes())
         data[where] ^= 0x40
         path.write_bytes(bytes(data))
@@ -161,7 +162,7 @@ def test_zero_filled_tail_is_cut(tmp_path, caplog):
     with open(d / "journal-00000000.log", "ab") as f:
         f.write(bytes(4096))
     assert reload(d) == [as_loaded(rec(1))]
-    assert len(journal_warnings(caplog)) == 1
+    assert len(journal_warnings(caplog)) == 1 and "empty frame" in journal_warnings(caplog)[0]
 
 
 def test_checkpoint_then_appends(tmp_path):
@@ -395,6 +396,28 @@ def test_sync_order_and_durability_flag(tmp_path, monkeypatch):
     j.close()
     assert synced == [] and fsynced == []
     assert reload(tmp_path / "b") == [as_loaded(rec(1))]
+
+
+def test_checkpoint_makes_the_snapshot_durable_before_dropping_journals(tmp_path, monkeypatch):
+    d = tmp_path / "idx"
+    j, _ = opened(d)
+    j.append(rec(1))
+    calls = []
+    real_fsync, real_rename, real_unlink = os.fsync, os.rename, os.unlink
+
+    def fsync(fd):
+        calls.append(("fsync", "dir" if os.path.isdir(f"/proc/self/fd/{fd}") else "file"))
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "rename", lambda a, b: (calls.append(("rename", Path(b).name)),
+                                                    real_rename(a, b))[1])
+    monkeypatch.setattr(os, "unlink", lambda p: (calls.append(("unlink", Path(p).name)),
+                                                 real_unlink(p))[1])
+    j.checkpoint([rec(1)])
+    j.close()
+    assert calls == [("fsync", "file"), ("rename", "index.snap"), ("fsync", "dir"),
+                     ("unlink", "journal-00000000.log")]
 
 
 records = st.recursive(

@@ -5,7 +5,9 @@ import mmap
 import os
 import random
 import re
+import threading
 import time
+from itertools import pairwise
 from pathlib import Path
 
 import pytest
@@ -261,7 +263,7 @@ class AllocatorModel(RuleBasedStateMachine):
             for p in range(e.offset // P, (e.offset + e.length) // P):
                 marks[p] += 1
         assert marks == [1] * self.pages  # free and live tile the store exactly
-        for a, b in zip(free, free[1:]):  # coalesced
+        for a, b in pairwise(free):  # coalesced
             assert a.offset + a.length < b.offset or b.offset % (self.SEG * P) == 0
 
     @rule()
@@ -405,19 +407,54 @@ def test_io_errors_are_nvme_errors(tmp_path, monkeypatch):
 
 
 def test_sync_only_when_durable(tmp_path, monkeypatch):
-    synced = []
-    real = os.fdatasync
-    monkeypatch.setattr(os, "fdatasync", lambda fd: (synced.append(fd), real(fd)))
+    synced, dir_synced = [], []
+    real_fdatasync, real_fsync = os.fdatasync, os.fsync
+    monkeypatch.setattr(os, "fdatasync", lambda fd: (synced.append(fd), real_fdatasync(fd)))
+    monkeypatch.setattr(os, "fsync", lambda fd: (dir_synced.append(fd), real_fsync(fd)))
     for durable in (True, False):
         synced.clear()
+        dir_synced.clear()
         s = store(tmp_path / str(durable), durable=durable)
         s.write(Extent(16 * P, P), fresh_chunks(1), P)
         s.sync()
         assert synced == ([s._fds[1]] if durable else [])
+        assert len(dir_synced) == durable  # the new segment file's name
+        synced.clear()
+        s.write(Extent(17 * P, P), fresh_chunks(1), P)
+        s.sync()
+        assert synced == ([s._fds[1]] if durable else [])
+        assert len(dir_synced) == durable  # no new file this time
         synced.clear()
         s.sync()  # nothing new
         assert synced == []
         s.close()
+
+
+def test_sync_waits_for_a_durable_copy_even_while_another_thread_syncs(tmp_path, monkeypatch):
+    # write-behind workers each write then sync; a sync must not return just because another
+    # thread's fdatasync of the same segment is under way (it may not be finished)
+    s = store(tmp_path)
+    s.write(Extent(0, P), fresh_chunks(1), P)
+    entered, release = threading.Event(), threading.Event()
+    calls = []
+    real = os.fdatasync
+
+    def fdatasync(fd):
+        calls.append(fd)
+        if len(calls) == 1:
+            entered.set()
+            release.wait(10)
+        real(fd)
+
+    monkeypatch.setattr(os, "fdatasync", fdatasync)
+    other = threading.Thread(target=s.sync)
+    other.start()
+    assert entered.wait(10)
+    s.sync()
+    assert len(calls) == 2 and not release.is_set()
+    release.set()
+    other.join()
+    s.close()
 
 
 # O_DIRECT
