@@ -120,8 +120,8 @@ def cmd_keygen(args) -> int:
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="bluecachectl", description="Operate bluecached.")
     p.add_argument("--state-dir", default=DEFAULT_STATE_DIR,
-                   help=f"the daemon's state directory, where its sockets are "
-                        f"(default {DEFAULT_STATE_DIR})")
+                   help=f"the daemon's state directory, where its sockets are (with `up`: "
+                        f"where the cache keeps its data) (default {DEFAULT_STATE_DIR})")
     p.add_argument("--endpoint", help="talk to a daemon at this endpoint instead "
                                       "(tcp://HOST:PORT uses CURVE keys from --curve-dir)")
     p.add_argument("--curve-dir", default="/etc/bluecache/curve")
@@ -141,6 +141,13 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("path", nargs="?")
     s.add_argument("--all", action="store_true", help="everything that is not open")
     sub.add_parser("verify", help="re-check every checksum on NVMe (removes bad objects)")
+    s = sub.add_parser("up", help="embedded mode: run bluecached and hostd here, mounted, in "
+                                  "the foreground (Ctrl-C stops both)")
+    s.add_argument("--mount", default="/mnt/kv-cache", help="mountpoint (default /mnt/kv-cache)")
+    s.add_argument("--dram-size", help="DRAM tier size, e.g. 4GiB (default 4GiB)")
+    s.add_argument("--nvme-size", help="NVMe tier size, e.g. 64GiB; 0 disables (default 64GiB)")
+    s.add_argument("--no-allow-other", action="store_true",
+                   help="only the mounting user may use the mount")
     s = sub.add_parser("keygen", help="create a CURVE key pair for the tcp:// link")
     s.add_argument("--name", default="server", help="'server' on the DPU, a host name on hosts")
     return p
@@ -155,6 +162,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "keygen":
             return cmd_keygen(args)
+        if args.command == "up":
+            from hostd.embedded import up
+            return up(args.mount, args.state_dir, args.dram_size, args.nvme_size,
+                      not args.no_allow_other)
         client = _client(args)
         try:
             return COMMANDS[args.command](client, args)

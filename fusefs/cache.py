@@ -1,0 +1,46 @@
+"""What fusefs needs from the cache behind it.
+
+Errors are OSError with the errno the cache means; fusefs maps them to what applications see
+(operations.py, `_errno_for`). Names are bytes, times are nanoseconds.
+"""
+
+from dataclasses import dataclass
+from typing import Protocol
+
+
+@dataclass(slots=True, frozen=True)
+class Attr:
+    ino: int
+    mode: int
+    nlink: int
+    uid: int
+    gid: int
+    size: int
+    atime_ns: int
+    mtime_ns: int
+    ctime_ns: int
+
+    @classmethod
+    def from_wire(cls, d: dict) -> "Attr":
+        return cls(d["ino"], d["mode"], d["nlink"], d["uid"], d["gid"], d["size"],
+                   d["atime_ns"], d["mtime_ns"], d["ctime_ns"])
+
+
+class Cache(Protocol):
+    async def lookup(self, parent: int, name: bytes) -> Attr: ...
+    async def getattr(self, ino: int) -> Attr: ...
+    async def setattr(self, ino: int, **changes) -> Attr: ...
+    async def mkdir(self, parent: int, name: bytes, mode: int, uid: int, gid: int) -> Attr: ...
+    async def create(self, parent: int, name: bytes, mode: int, uid: int, gid: int,
+                     flags: int) -> tuple[int, Attr]: ...
+    async def open(self, ino: int, flags: int) -> tuple[int, Attr]: ...
+    async def read(self, fh: int, offset: int, size: int): ...   # bytes-like
+    async def write(self, fh: int, offset: int, data) -> int: ...
+    async def flush(self, fh: int) -> None: ...
+    async def release(self, fh: int) -> None: ...
+    async def unlink(self, parent: int, name: bytes) -> None: ...
+    async def rmdir(self, parent: int, name: bytes) -> None: ...
+    async def rename(self, parent: int, name: bytes, new_parent: int, new_name: bytes,
+                     flags: int) -> None: ...
+    async def readdir(self, ino: int, offset: int, limit: int) -> list[tuple[bytes, Attr, int]]: ...
+    async def statfs(self) -> dict: ...

@@ -1,0 +1,301 @@
+"""pyfuse3 Operations: the kernel's requests, served by a `Cache`.
+
+Thin on purpose: every POSIX rule lives in the cache daemon; this class translates requests,
+keeps the kernel's caches honest (timeouts, lookup counts, invalidation), and is the single
+place where errors become the errno an application sees.
+"""
+
+import errno
+import functools
+import logging
+import os
+import stat
+from dataclasses import dataclass
+
+import pyfuse3
+import trio
+
+from .cache import Attr, Cache
+
+log = logging.getLogger("fusefs")
+
+# Errors whose errno means something to the cache but nothing to an application; each becomes
+# EIO ("the storage behind this file failed"), the one error every program handles:
+_TO_EIO = {
+    errno.ETIMEDOUT,     # the cache daemon did not answer within hostd's timeout
+    errno.ECONNREFUSED,  # ... or is not running
+    errno.EPROTO,        # version/handshake trouble between hostd and the daemon
+    errno.EBADMSG,       # a message the daemon could not decode
+    errno.EMSGSIZE,
+    errno.EFAULT,        # a staging-region span the daemon refused: hostd's bug, not the app's
+}
+
+# Regular files carry no page cache in the host: the bytes live in the cache tier, and caching
+# them again in host RAM would spend the memory offloading is meant to save. It also makes
+# 1 MiB requests go straight to the daemon (faster for this workload than readahead).
+DIRECT_IO = True
+
+
+def _errno_for(e: OSError) -> int:
+    if e.errno is None or e.errno in _TO_EIO:
+        return errno.EIO
+    return e.errno
+
+
+def _boundary(handler):
+    """Maps a handler's failures to FUSEError: an exception escaping a pyfuse3 handler would end
+    the whole mount."""
+    @functools.wraps(handler)
+    async def serve(self, *args):
+        try:
+            return await handler(self, *args)
+        except pyfuse3.FUSEError:
+            raise
+        except OSError as e:
+            err = _errno_for(e)
+            if err == errno.EIO:
+                log.warning("%s: %s -> EIO", handler.__name__, e)
+            raise pyfuse3.FUSEError(err) from None
+        except trio.Cancelled:
+            raise
+        except Exception:
+            log.exception("internal error in %s", handler.__name__)
+            raise pyfuse3.FUSEError(errno.EIO) from None
+    return serve
+
+
+@dataclass
+class Timeouts:
+    """How long the kernel may trust what it was told (seconds).
+
+    Positive entries and attributes: 60 s. Files are written once under content-hash names;
+    the only other change is the cache removing a file, and hostd invalidates the kernel's
+    entry and inode when the daemon announces that. Negative entries: 2 s. A name created on
+    this mount replaces the negative entry at once; a name made elsewhere (another host
+    sharing the remote tier, bluecachectl) shows up within 2 s, while a scheduler's burst of
+    `os.path.exists` misses for one prefix is still answered by the kernel.
+    """
+    entry: float = 60.0
+    attr: float = 60.0
+    negative: float = 2.0
+
+
+class Operations(pyfuse3.Operations):
+    supports_dot_lookup = False
+    enable_writeback_cache = False  # a write reaches the cache before write(2) returns
+    enable_acl = False
+
+    def __init__(self, cache: Cache, timeouts: Timeouts | None = None):
+        super().__init__()
+        self.cache = cache
+        self.timeouts = timeouts or Timeouts()
+        self.lookups: dict[int, int] = {}   # what the kernel holds a reference to
+
+    # -- helpers ---------------------------------------------------------------------------
+
+    def _entry(self, attr: Attr) -> pyfuse3.EntryAttributes:
+        e = pyfuse3.EntryAttributes()
+        e.st_ino = attr.ino
+        e.generation = 0  # inode numbers are never reused (the daemon prefixes its boot count)
+        e.st_mode = attr.mode
+        e.st_nlink = attr.nlink
+        e.st_uid = attr.uid
+        e.st_gid = attr.gid
+        e.st_size = attr.size
+        e.st_blksize = 1 << 20
+        e.st_blocks = -(-attr.size // 512)
+        e.st_atime_ns = attr.atime_ns
+        e.st_mtime_ns = attr.mtime_ns
+        e.st_ctime_ns = attr.ctime_ns
+        e.entry_timeout = self.timeouts.entry
+        e.attr_timeout = self.timeouts.attr
+        return e
+
+    def _remember(self, attr: Attr) -> pyfuse3.EntryAttributes:
+        self.lookups[attr.ino] = self.lookups.get(attr.ino, 0) + 1
+        return self._entry(attr)
+
+    def _file_info(self, fh: int, flags: int) -> pyfuse3.FileInfo:
+        return pyfuse3.FileInfo(fh=fh, direct_io=DIRECT_IO or bool(flags & os.O_DIRECT),
+                                keep_cache=False)
+
+    # -- lookups and attributes ------------------------------------------------------------
+
+    @_boundary
+    async def lookup(self, parent_inode, name, ctx=None):
+        try:
+            attr = await self.cache.lookup(parent_inode, name)
+        except OSError as e:
+            if e.errno != errno.ENOENT:
+                raise
+            negative = pyfuse3.EntryAttributes()
+            negative.st_ino = 0           # a cacheable "no such name"
+            negative.entry_timeout = self.timeouts.negative
+            return negative
+        return self._remember(attr)
+
+    async def forget(self, inode_list):
+        for ino, count in inode_list:
+            left = self.lookups.get(ino, 0) - count
+            if left > 0:
+                self.lookups[ino] = left
+            else:
+                self.lookups.pop(ino, None)
+
+    @_boundary
+    async def getattr(self, inode, ctx=None):
+        return self._entry(await self.cache.getattr(inode))
+
+    @_boundary
+    async def setattr(self, inode, attr, fields, fh, ctx):
+        changes = {}
+        if fields.update_size:
+            changes["size"] = attr.st_size
+        if fields.update_mode:
+            changes["mode"] = stat.S_IMODE(attr.st_mode)
+        if fields.update_uid:
+            changes["uid"] = attr.st_uid
+        if fields.update_gid:
+            changes["gid"] = attr.st_gid
+        if fields.update_atime:   # pyfuse3 already turned UTIME_NOW into the current time
+            changes["atime_ns"] = attr.st_atime_ns
+        if fields.update_mtime:
+            changes["mtime_ns"] = attr.st_mtime_ns
+        return self._entry(await self.cache.setattr(inode, **changes))
+
+    @_boundary
+    async def statfs(self, ctx):
+        s = await self.cache.statfs()
+        out = pyfuse3.StatvfsData()
+        out.f_bsize = s["bsize"]
+        out.f_frsize = s["frsize"]
+        out.f_blocks = s["blocks"]
+        out.f_bfree = s["bfree"]
+        out.f_bavail = s["bavail"]
+        out.f_files = s["files"]
+        out.f_ffree = s["ffree"]
+        out.f_favail = s["ffree"]
+        out.f_namemax = s["namemax"]
+        return out
+
+    # -- directories -----------------------------------------------------------------------
+
+    @_boundary
+    async def mkdir(self, parent_inode, name, mode, ctx):
+        return self._remember(await self.cache.mkdir(parent_inode, name, mode, ctx.uid, ctx.gid))
+
+    @_boundary
+    async def rmdir(self, parent_inode, name, ctx):
+        await self.cache.rmdir(parent_inode, name)
+
+    @_boundary
+    async def unlink(self, parent_inode, name, ctx):
+        await self.cache.unlink(parent_inode, name)
+
+    @_boundary
+    async def rename(self, parent_inode_old, name_old, parent_inode_new, name_new, flags, ctx):
+        await self.cache.rename(parent_inode_old, name_old, parent_inode_new, name_new, flags)
+
+    @_boundary
+    async def opendir(self, inode, ctx):
+        return inode
+
+    @_boundary
+    async def readdir(self, fh, start_id, token):
+        offset = start_id
+        while True:
+            entries = await self.cache.readdir(fh, offset, 256)
+            if not entries:
+                return
+            for name, attr, cookie in entries:
+                # READDIRPLUS: each accepted entry is a lookup the kernel will forget later.
+                if not pyfuse3.readdir_reply(token, name, self._entry(attr), cookie):
+                    return
+                self.lookups[attr.ino] = self.lookups.get(attr.ino, 0) + 1
+                offset = cookie
+
+    async def releasedir(self, fh):
+        pass
+
+    # -- files -----------------------------------------------------------------------------
+
+    @_boundary
+    async def create(self, parent_inode, name, mode, flags, ctx):
+        fh, attr = await self.cache.create(parent_inode, name, mode, ctx.uid, ctx.gid, flags)
+        return self._file_info(fh, flags), self._remember(attr)
+
+    @_boundary
+    async def mknod(self, parent_inode, name, mode, rdev, ctx):
+        if not stat.S_ISREG(mode):
+            raise pyfuse3.FUSEError(errno.EPERM)  # no devices, fifos or sockets in a cache
+        fh, attr = await self.cache.create(parent_inode, name, mode, ctx.uid, ctx.gid,
+                                           os.O_WRONLY | os.O_EXCL)
+        await self.cache.release(fh)
+        return self._remember(attr)
+
+    @_boundary
+    async def open(self, inode, flags, ctx):
+        fh, _ = await self.cache.open(inode, flags)
+        return self._file_info(fh, flags)
+
+    @_boundary
+    async def read(self, fh, off, size):
+        return await self.cache.read(fh, off, size)
+
+    @_boundary
+    async def write(self, fh, off, buf):
+        return await self.cache.write(fh, off, buf)
+
+    @_boundary
+    async def flush(self, fh):
+        await self.cache.flush(fh)
+
+    @_boundary
+    async def fsync(self, fh, datasync):
+        await self.cache.flush(fh)
+
+    @_boundary
+    async def release(self, fh):
+        await self.cache.release(fh)
+
+    # -- deliberately unsupported ----------------------------------------------------------
+    # A KV cache holds directories and regular files only. EPERM is what Linux file systems
+    # without links answer (e.g. vfat); ENOTSUP is the standard "no extended attributes",
+    # which tools like ls and cp treat as nothing to copy. Locks are not implemented here:
+    # the kernel then keeps flock/fcntl locks local to this host, which is what the
+    # connectors (who never lock) need.
+
+    async def symlink(self, parent_inode, name, target, ctx):
+        raise pyfuse3.FUSEError(errno.EPERM)
+
+    async def link(self, inode, new_parent_inode, new_name, ctx):
+        raise pyfuse3.FUSEError(errno.EPERM)
+
+    async def readlink(self, inode, ctx):
+        raise pyfuse3.FUSEError(errno.EINVAL)
+
+    async def setxattr(self, inode, name, value, ctx):
+        raise pyfuse3.FUSEError(errno.ENOTSUP)
+
+    async def getxattr(self, inode, name, ctx):
+        raise pyfuse3.FUSEError(errno.ENOTSUP)
+
+    async def listxattr(self, inode, ctx):
+        raise pyfuse3.FUSEError(errno.ENOTSUP)
+
+    async def removexattr(self, inode, name, ctx):
+        raise pyfuse3.FUSEError(errno.ENOTSUP)
+
+    # -- invalidation (called by hostd when the cache removes a file) ----------------------
+
+    def forget_name(self, parent: int, name: bytes, ino: int) -> None:
+        """The cache removed (parent, name): the kernel must miss on the next lookup."""
+        pyfuse3.invalidate_entry_async(parent, name, deleted=ino, ignore_enoent=True)
+
+    def forget_everything(self) -> None:
+        """The cache restarted: attributes the kernel holds may describe files that are gone."""
+        for ino in list(self.lookups):
+            try:
+                pyfuse3.invalidate_inode(ino, attr_only=True)
+            except OSError:
+                pass  # the kernel already dropped it

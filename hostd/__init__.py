@@ -1,0 +1,1 @@
+"""hostd: mounts fusefs at /mnt/kv-cache and connects it to bluecached."""

@@ -1,0 +1,81 @@
+"""/etc/bluecache/hostd.yaml: validated with bluecached's schema machinery (same errors)."""
+
+from pathlib import Path
+from typing import Any
+
+from bluecached.config import (
+    Field, Schema, as_choice, as_duration, as_endpoint, as_path, changed_keys, load_yaml,
+    render_defaults,
+)
+from bluecached.config import ConfigError as ConfigError  # re-exported for hostd's callers
+
+DEFAULT_PATH = Path("/etc/bluecache/hostd.yaml")
+
+
+def _as_count(minimum: int, maximum: int):
+    def parse(value: Any) -> int:
+        if type(value) is not int or not minimum <= value <= maximum:
+            raise ValueError(f"expected a whole number from {minimum} to {maximum}, got {value!r}")
+        return value
+    return parse
+
+
+def _as_name(value: Any) -> str:
+    if type(value) is not str or not value or "/" in value:
+        raise ValueError(f"expected a key pair name (no '/'), got {value!r}")
+    return value
+
+
+def _as_bool(value: Any) -> bool:
+    if type(value) is not bool:
+        raise ValueError(f"expected true or false, got {value!r}")
+    return value
+
+
+HOSTD = Schema("HostdConfig", (
+    "hostd configuration: the FUSE mount at /mnt/kv-cache and its link to bluecached.\n"
+    "Durations are seconds or a number with a unit: ms, s, m, h, d."
+), {
+    "mountpoint": Field(as_path(), "/mnt/kv-cache", "Where the cache is mounted."),
+    "state_dir": Field(as_path(), "/var/lib/bluecache",
+                       "Embedded mode: bluecached's state directory, where its ipc sockets are."),
+    "log_level": Field(as_choice("debug", "info", "warning", "error"), "info",
+                       "Log verbosity: debug, info, warning or error.", live=True),
+    "daemon": Schema("DaemonLink", "How to reach bluecached.", {
+        "control": Field(as_endpoint(), "ipc",
+                         '"ipc" (embedded: the socket in state_dir) or "tcp://DPU:PORT".'),
+        "events": Field(as_endpoint(), "ipc", '"ipc" or "tcp://DPU:PORT".'),
+        "curve_dir": Field(as_path(), "/etc/bluecache/curve",
+                           "tcp only: this host's CURVE key pair and the daemon's public key."),
+        "curve_name": Field(_as_name, "client", "tcp only: this host's key pair name."),
+        "request_timeout": Field(as_duration(), "30s",
+                                 "How long an operation waits for bluecached (e.g. while it "
+                                 "restarts) before it fails with EIO."),
+    }),
+    "mount": Schema("MountConfig", "FUSE mount options.", {
+        "allow_other": Field(_as_bool, True,
+                             "Let other users (vLLM often runs as its own user) use the mount; "
+                             "permissions are still checked (default_permissions)."),
+        "staging_slots": Field(_as_count(64, 4096), 128,
+                               "1 MiB staging buffers shared with the DMA engine: how many POSIX "
+                               "requests can be in flight at once (at least 64)."),
+        "entry_timeout": Field(as_duration(), "60s",
+                               "How long the kernel trusts a name it looked up."),
+        "attr_timeout": Field(as_duration(), "60s",
+                              "How long the kernel trusts a file's attributes."),
+        "negative_timeout": Field(as_duration(), "2s",
+                                  "How long the kernel remembers that a name does not exist."),
+    }),
+})
+
+
+def load_config(path: Path | None, overrides=None):
+    return load_yaml(path, HOSTD, overrides)
+
+
+def reload_changes(old, new):
+    return changed_keys(HOSTD, old, new)
+
+
+def default_yaml() -> str:
+    return render_defaults(HOSTD)

@@ -1,0 +1,162 @@
+"""bluecache-hostd: mounts the cache and serves it.
+
+Startup: config -> connect to bluecached (handshake, staging registered) -> clear a stale mount
+-> mount -> READY=1. SIGTERM/SIGINT: STOPPING=1, unmount, exit. If bluecached restarts the mount
+stays; requests wait for it (see link.py).
+"""
+
+import argparse
+import logging
+import os
+import signal
+import sys
+from pathlib import Path
+
+import pyfuse3
+import sdnotify
+import trio
+import zmq
+
+from bluecached import curve, protocol
+from bluecached.client import AsyncClient
+from bluecached.zmqpump import SocketPump
+from fusefs import Operations, Timeouts
+
+from . import config
+from .link import DaemonLink
+from .mount import FSNAME, MountError, clear_stale
+
+log = logging.getLogger("hostd")
+
+
+class StartupError(Exception):
+    pass
+
+
+def _endpoints(cfg) -> tuple[str, str, str | None, dict | None]:
+    """control, events, the loopback region socket (embedded only), CURVE keys (tcp only)."""
+    local = protocol.state_dir_endpoints(str(cfg.state_dir))
+    link = cfg.daemon
+    control = local["control"] if link.control == "ipc" else link.control
+    events = local["events"] if link.events == "ipc" else link.events
+    keys = None
+    if control.startswith("tcp://"):
+        try:
+            keys = curve.client_keys(Path(link.curve_dir), link.curve_name)
+        except curve.CurveError as e:
+            raise StartupError(str(e)) from None
+    regions = local["regions"] if link.control == "ipc" else None
+    return control, events, regions, keys
+
+
+async def _follow_events(events_endpoint: str, keys, ops: Operations) -> None:
+    sock = zmq.Context.instance().socket(zmq.SUB)
+    sock.setsockopt(zmq.LINGER, 0)
+    if keys:
+        sock.curve_serverkey, sock.curve_publickey, sock.curve_secretkey = (
+            keys["server_public"], keys["public"], keys["secret"])
+    sock.setsockopt(zmq.SUBSCRIBE, protocol.EVENT_REMOVED)
+    sock.connect(events_endpoint)
+
+    def on_event(frames):
+        try:
+            _, fields = protocol.decode_event(frames)
+            if fields.get("parent") is not None:
+                ops.forget_name(fields["parent"], fields["name"], fields["ino"])
+        except (protocol.ProtocolError, KeyError, TypeError) as e:
+            log.warning("ignored a malformed event: %s", e)
+
+    try:
+        await SocketPump(sock).run(on_event)
+    finally:
+        sock.close()
+
+
+async def run(cfg, path: Path | None, notifier) -> None:
+    control, events, regions, keys = _endpoints(cfg)
+    mountpoint = Path(cfg.mountpoint)
+    client = AsyncClient(control, keys, client_name=f"hostd@{os.uname().nodename}")
+    link = DaemonLink(client, regions, cfg.mount.staging_slots, cfg.daemon.request_timeout)
+    ops = Operations(link, Timeouts(cfg.mount.entry_timeout, cfg.mount.attr_timeout,
+                                    cfg.mount.negative_timeout))
+    link.on_restart = ops.forget_everything
+    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(client.run)
+            try:
+                await link.connect()
+            except trio.TooSlowError:
+                raise StartupError(f"bluecached does not answer at {control} (waited "
+                                   f"{cfg.daemon.request_timeout:g}s): is it running?") from None
+            nursery.start_soon(link.watch)
+            nursery.start_soon(_follow_events, events, keys, ops)
+            try:
+                clear_stale(mountpoint)
+                mountpoint.mkdir(parents=True, exist_ok=True)
+            except (MountError, OSError) as e:
+                raise StartupError(str(e)) from None
+            options = set(pyfuse3.default_options) | {f"fsname={FSNAME}", f"subtype={FSNAME}"}
+            if cfg.mount.allow_other:
+                options.add("allow_other")
+            try:
+                pyfuse3.init(ops, str(mountpoint), options)
+            except RuntimeError as e:
+                raise StartupError(f"cannot mount {mountpoint}: {e}") from None
+            try:
+                nursery.start_soon(pyfuse3.main)
+                notifier.notify(f"READY=1\nSTATUS=serving {mountpoint}")
+                log.info("serving %s from bluecached at %s", mountpoint, control)
+                async for signum in signals:
+                    if signum == signal.SIGHUP:
+                        log.info("SIGHUP: nothing to reload live except log_level")
+                        _reload_log_level(path)
+                        continue
+                    log.info("%s: unmounting %s", signal.Signals(signum).name, mountpoint)
+                    notifier.notify("STOPPING=1")
+                    break
+            finally:
+                pyfuse3.terminate()
+                pyfuse3.close(unmount=True)
+                nursery.cancel_scope.cancel()
+    link.close()
+    log.info("stopped; hostd copied %d payload bytes", link.bytes_copied)
+
+
+def _reload_log_level(path: Path | None) -> None:
+    try:
+        new = config.load_config(path)
+        logging.getLogger().setLevel(new.log_level.upper())
+    except config.ConfigError as e:
+        log.error("reload refused: %s", e)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="bluecache-hostd",
+                                     description="Mount the bluecache KV cache.")
+    parser.add_argument("--config", type=Path,
+                        help=f"config file (default {config.DEFAULT_PATH} if it exists)")
+    args = parser.parse_args(argv)
+    path = args.config or (config.DEFAULT_PATH if config.DEFAULT_PATH.exists() else None)
+    try:
+        cfg = config.load_config(path)
+    except config.ConfigError as e:
+        print(f"bluecache-hostd: {e}", file=sys.stderr)
+        return 2
+    under_systemd = "INVOCATION_ID" in os.environ
+    logging.basicConfig(level=cfg.log_level.upper(), stream=sys.stderr,
+                        format="%(levelname)s %(name)s: %(message)s" if under_systemd
+                        else "%(asctime)s %(levelname)s %(name)s: %(message)s")
+    status = 0
+    try:
+        trio.run(run, cfg, path, sdnotify.SystemdNotifier(), strict_exception_groups=True)
+    except* StartupError as group:
+        for e in group.exceptions:
+            log.error("cannot start: %s", e)
+        status = 1
+    except* KeyboardInterrupt:
+        status = 130
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,290 @@
+"""hostd's link to bluecached: the fusefs `Cache` over the control protocol.
+
+POSIX bytes go through staging slots: 1 MiB pieces of one sealed memfd registered with the
+daemon's DMA engine. A write copies the request into a slot (the one copy hostd makes, counted
+in `bytes_copied`) and asks the daemon to pull it; a read asks the daemon to push into a slot
+and hands the slot to the kernel.
+
+The daemon may restart under us. A health task notices (a failed ping, or a request answered
+"say hello first"), wakes every waiting request, and reconnects: new handshake, staging
+re-registered, open handles re-opened by inode on first use. Requests that are safe to repeat
+wait for the reconnection up to `request_timeout`; the others fail with EIO, since whether the
+dead daemon applied them is unknown.
+"""
+
+import errno
+import logging
+import os
+from dataclasses import dataclass
+
+import pyfuse3
+import trio
+
+from bluecached.client import AsyncClient, RegionChannel, RemoteError, SharedRegion
+from fusefs.cache import Attr
+
+log = logging.getLogger("hostd.link")
+
+SLOT_SIZE = 1 << 20
+PING_INTERVAL = 1.0
+# pyfuse3 >= 3.3 replies to a read from any buffer; Debian's 3.2 needs bytes.
+_READ_TAKES_BUFFER = tuple(int(x) for x in pyfuse3.__version__.split(".")[:2]) >= (3, 3)
+
+_IDEMPOTENT = {"lookup", "getattr", "read", "write", "readdir", "statfs", "open", "flush",
+               "ping"}
+
+
+class Staging:
+    """Fixed 1 MiB slots in one shared region."""
+
+    def __init__(self, slots: int):
+        self.region = SharedRegion(slots * SLOT_SIZE, "bluecache-staging")
+        self._free = list(range(slots))
+        self._available = trio.Semaphore(slots)
+        self.region_id = 0
+
+    async def take(self) -> int:
+        await self._available.acquire()
+        return self._free.pop()
+
+    def give(self, slot: int) -> None:
+        self._free.append(slot)
+        self._available.release()
+
+    def view(self, slot: int, length: int) -> memoryview:
+        start = slot * SLOT_SIZE
+        return self.region.view[start:start + length]
+
+
+@dataclass(slots=True)
+class OpenFile:
+    ino: int
+    flags: int
+    daemon_fh: int
+    generation: int
+
+
+class DaemonLink:
+    def __init__(self, client: AsyncClient, regions_path: str | None, slots: int,
+                 request_timeout: float):
+        self.client = client
+        self.regions_path = regions_path
+        self.staging = Staging(slots)
+        self.request_timeout = request_timeout
+        self.bytes_copied = 0           # payload bytes hostd itself copied (POSIX path only)
+        self.generation = 0             # bumps at every (re)connection to a daemon
+        self.incarnation = None
+        self.session = None
+        self.on_restart = lambda: None  # the mount drops kernel caches when the daemon changed
+        self._channel: RegionChannel | None = None
+        self._connected = trio.Event()
+        self._lost = trio.Event()
+        self._files: dict[int, OpenFile] = {}
+        self._next_fh = 1
+
+    # -- connection ------------------------------------------------------------------------
+
+    async def connect(self, timeout: float | None = None) -> None:
+        """First connection; raises if the daemon does not answer within `timeout`."""
+        with trio.fail_after(timeout or self.request_timeout):
+            while True:
+                try:
+                    await self._establish()
+                    return
+                except (RemoteError, OSError) as e:
+                    log.debug("bluecached not there yet: %s", e)
+                    await trio.sleep(0.2)
+
+    async def _establish(self) -> None:
+        hello = await self.client.handshake(timeout=2, replaces=self.session)
+        if self.regions_path is not None:
+            channel = await trio.to_thread.run_sync(RegionChannel, self.regions_path)
+            try:
+                region_id = await trio.to_thread.run_sync(channel.register, self.staging.region)
+            except BaseException:
+                channel.close()
+                raise
+            if self._channel is not None:
+                self._channel.close()
+            self._channel, self.staging.region_id = channel, region_id
+        restarted = self.incarnation is not None and hello["incarnation"] != self.incarnation
+        self.incarnation, self.session = hello["incarnation"], hello["session"]
+        self.generation += 1
+        self._lost = trio.Event()
+        self._connected.set()
+        log.info("connected to %s (engine %s, session %d)%s", hello["server"], hello["engine"],
+                 hello["session"], "; it restarted" if restarted else "")
+        if restarted:
+            self.on_restart()
+
+    def _mark_lost(self, why: str) -> None:
+        if self._connected.is_set():
+            log.warning("lost bluecached (%s); requests wait up to %gs", why,
+                        self.request_timeout)
+            self._connected = trio.Event()
+            self._lost.set()
+            self.client.fail_pending(errno.ECONNRESET, f"bluecached went away: {why}")
+
+    async def watch(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        """Health task: ping; on failure reconnect until it works."""
+        task_status.started()
+        while True:
+            if self._connected.is_set():
+                with trio.move_on_after(PING_INTERVAL):
+                    await self._lost.wait()
+                if self._connected.is_set():
+                    try:
+                        await self.client.call("ping", timeout=PING_INTERVAL * 2)
+                    except RemoteError as e:
+                        self._mark_lost(str(e))
+                continue
+            try:
+                await self._establish()
+            except (RemoteError, OSError) as e:
+                log.debug("reconnect failed: %s", e)
+                await trio.sleep(0.2)
+
+    async def call(self, op: str, **args):
+        deadline = trio.current_time() + self.request_timeout
+        while True:
+            remaining = deadline - trio.current_time()
+            if remaining <= 0:
+                raise RemoteError(errno.ETIMEDOUT, f"{op}: bluecached unavailable for "
+                                                   f"{self.request_timeout:g}s")
+            with trio.move_on_after(remaining):
+                await self._connected.wait()
+            if not self._connected.is_set():
+                continue
+            try:
+                return await self.client.call(op, timeout=max(remaining, 0.001), **args)
+            except RemoteError as e:
+                if e.errno == errno.EPROTO and "hello" in str(e):
+                    self._mark_lost("it restarted")
+                elif e.errno == errno.ETIMEDOUT:
+                    self._mark_lost(str(e))
+                elif e.errno != errno.ECONNRESET:
+                    raise
+                if op not in _IDEMPOTENT:
+                    raise RemoteError(errno.EIO, f"{op} interrupted by a bluecached restart "
+                                                 "(it may or may not have happened)") from None
+
+    # -- handles ---------------------------------------------------------------------------
+
+    def _add_file(self, ino: int, flags: int, daemon_fh: int) -> int:
+        fh = self._next_fh
+        self._next_fh += 1
+        # Re-opening after a restart must not truncate or create again.
+        self._files[fh] = OpenFile(ino, flags & ~(os.O_TRUNC | os.O_CREAT | os.O_EXCL),
+                                   daemon_fh, self.generation)
+        return fh
+
+    async def _daemon_fh(self, fh: int) -> int:
+        f = self._files.get(fh)
+        if f is None:
+            raise RemoteError(errno.EBADF, f"no open file {fh}")
+        if f.generation != self.generation:  # the daemon restarted since the open
+            r = await self.call("open", ino=f.ino, flags=f.flags)
+            f.daemon_fh, f.generation = r["fh"], self.generation
+        return f.daemon_fh
+
+    # -- the fusefs Cache interface --------------------------------------------------------
+
+    async def lookup(self, parent, name) -> Attr:
+        return Attr.from_wire(await self.call("lookup", parent=parent, name=name))
+
+    async def getattr(self, ino) -> Attr:
+        return Attr.from_wire(await self.call("getattr", ino=ino))
+
+    async def setattr(self, ino, **changes) -> Attr:
+        return Attr.from_wire(await self.call("setattr", ino=ino, **changes))
+
+    async def mkdir(self, parent, name, mode, uid, gid) -> Attr:
+        return Attr.from_wire(await self.call("mkdir", parent=parent, name=name, mode=mode,
+                                              uid=uid, gid=gid))
+
+    async def create(self, parent, name, mode, uid, gid, flags):
+        r = await self.call("create", parent=parent, name=name, mode=mode, uid=uid, gid=gid,
+                            flags=flags)
+        attr = Attr.from_wire(r["attr"])
+        return self._add_file(attr.ino, flags, r["fh"]), attr
+
+    async def open(self, ino, flags):
+        r = await self.call("open", ino=ino, flags=flags)
+        return self._add_file(ino, flags, r["fh"]), Attr.from_wire(r["attr"])
+
+    async def read(self, fh, offset, size):
+        out = bytearray() if size > SLOT_SIZE else None
+        while True:
+            piece = min(size, SLOT_SIZE)
+            slot = await self.staging.take()
+            try:
+                n = (await self.call("read", fh=await self._daemon_fh(fh), offset=offset,
+                                     length=piece, region=self.staging.region_id,
+                                     region_offset=slot * SLOT_SIZE))["length"]
+                view = self.staging.view(slot, n)
+                if out is None:
+                    if _READ_TAKES_BUFFER:
+                        # The kernel copies it out before any other task can take the slot:
+                        # pyfuse3 replies as soon as this coroutine returns.
+                        return view
+                    self.bytes_copied += n
+                    return bytes(view)
+                out += view
+                self.bytes_copied += n
+            finally:
+                self.staging.give(slot)
+            offset += n
+            size -= n
+            if n < piece or size == 0:
+                return bytes(out)
+
+    async def write(self, fh, offset, data) -> int:
+        data = memoryview(data)
+        done = 0
+        while done < len(data):
+            piece = data[done:done + SLOT_SIZE]
+            slot = await self.staging.take()
+            try:
+                self.staging.view(slot, len(piece))[:] = piece
+                self.bytes_copied += len(piece)
+                await self.call("write", fh=await self._daemon_fh(fh), offset=offset + done,
+                                length=len(piece), region=self.staging.region_id,
+                                region_offset=slot * SLOT_SIZE)
+            finally:
+                self.staging.give(slot)
+            done += len(piece)
+        return done
+
+    async def flush(self, fh) -> None:
+        await self.call("flush", fh=await self._daemon_fh(fh))
+
+    async def release(self, fh) -> None:
+        f = self._files.pop(fh, None)
+        if f is not None and f.generation == self.generation:
+            try:
+                await self.call("release", fh=f.daemon_fh)
+            except RemoteError as e:
+                if e.errno not in (errno.EBADF, errno.EIO):
+                    raise
+
+    async def unlink(self, parent, name) -> None:
+        await self.call("unlink", parent=parent, name=name)
+
+    async def rmdir(self, parent, name) -> None:
+        await self.call("rmdir", parent=parent, name=name)
+
+    async def rename(self, parent, name, new_parent, new_name, flags) -> None:
+        await self.call("rename", parent=parent, name=name, new_parent=new_parent,
+                        new_name=new_name, flags=flags)
+
+    async def readdir(self, ino, offset, limit):
+        r = await self.call("readdir", ino=ino, offset=offset, limit=limit)
+        return [(name, Attr.from_wire(attr), cookie) for name, attr, cookie in r["entries"]]
+
+    async def statfs(self) -> dict:
+        return await self.call("statfs")
+
+    def close(self) -> None:
+        if self._channel is not None:
+            self._channel.close()
+        self.staging.region.close()

@@ -1,0 +1,68 @@
+"""The mountpoint's lifecycle: find and clear a mount left by a crashed hostd."""
+
+import ctypes
+import errno
+import logging
+import os
+import subprocess
+from pathlib import Path
+
+log = logging.getLogger("hostd.mount")
+FSNAME = "bluecache"
+MNT_DETACH = 2
+
+
+class MountError(Exception):
+    pass
+
+
+def _unescape(field: str) -> str:
+    # mountinfo escapes space, tab, newline and backslash as octal
+    return field.encode().decode("unicode_escape") if "\\" in field else field
+
+
+def mounts_at(mountpoint: Path) -> list[dict]:
+    """Entries of /proc/self/mountinfo for `mountpoint`, most recent last."""
+    target = str(mountpoint)
+    out = []
+    for line in Path("/proc/self/mountinfo").read_text().splitlines():
+        left, _, right = line.partition(" - ")
+        fields, tail = left.split(), right.split()
+        if len(fields) >= 5 and _unescape(fields[4]) == target and len(tail) >= 2:
+            out.append({"fstype": tail[0], "source": tail[1]})
+    return out
+
+
+def _detach(mountpoint: Path) -> None:
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.umount2(os.fsencode(mountpoint), MNT_DETACH) == 0:
+        return
+    err = ctypes.get_errno()
+    # Not root? fusermount3 can unmount a FUSE mount its user made.
+    r = subprocess.run(["fusermount3", "-u", "-z", str(mountpoint)], capture_output=True,
+                       text=True)
+    if r.returncode != 0:
+        raise MountError(f"cannot unmount stale {mountpoint}: {os.strerror(err)}; "
+                         f"fusermount3: {r.stderr.strip()}")
+
+
+def clear_stale(mountpoint: Path) -> bool:
+    """Unmounts a dead bluecache mount at `mountpoint`. Returns True if one was cleared;
+    raises MountError if a live one is there (another hostd serves it) or something else is
+    mounted there."""
+    entries = mounts_at(mountpoint)
+    if not entries:
+        return False
+    top = entries[-1]
+    if not top["fstype"].startswith("fuse") or top["source"] != FSNAME:
+        raise MountError(f"{mountpoint} already has a {top['fstype']} mount of {top['source']}")
+    try:
+        os.stat(mountpoint)
+    except OSError as e:
+        if e.errno not in (errno.ENOTCONN, errno.ECONNABORTED, errno.EIO):
+            raise
+        log.warning("%s: clearing the mount a crashed hostd left (%s)", mountpoint,
+                    os.strerror(e.errno))
+        _detach(mountpoint)
+        return True
+    raise MountError(f"{mountpoint} is already served by a running hostd")
