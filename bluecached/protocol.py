@@ -14,6 +14,7 @@ SUPPORTED_VERSIONS = (1,)
 MAX_NAME = 4096      # generous: the namespace enforces NAME_MAX itself, with its own errno
 MAX_STR = 4096
 MAX_LIST = 64
+MAX_FORGET = 4096
 
 U64 = "u64"
 I64 = "i64"
@@ -22,6 +23,7 @@ BYTES = "bytes"
 STR = "str"
 BOOL = "bool"
 U32_LIST = "u32[]"
+U64_LIST = "u64[]"
 
 _PARENT_NAME = {"parent": U64, "name": BYTES}
 _TRANSFER = {"fh": U64, "offset": U64, "length": U64, "region": U64, "region_offset": U64}
@@ -47,6 +49,7 @@ OPS: dict[str, tuple[dict, dict]] = {
     "rmdir": (_PARENT_NAME, {}),
     "rename": ({**_PARENT_NAME, "new_parent": U64, "new_name": BYTES}, {"flags": U32}),
     "readdir": ({"ino": U64, "offset": U64}, {"limit": U32}),
+    "forget": ({"inos": U64_LIST, "counts": U64_LIST}, {}),
     "statfs": ({}, {}),
     "status": ({}, {}),
     "stats": ({}, {}),
@@ -90,6 +93,9 @@ def _check(kind: str, value) -> bool:
     if kind == U32_LIST:
         return (type(value) is list and len(value) <= MAX_LIST
                 and all(_check(U32, v) for v in value))
+    if kind == U64_LIST:
+        return (type(value) is list and len(value) <= MAX_FORGET
+                and all(_check(U64, v) for v in value))
     return False
 
 

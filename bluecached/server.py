@@ -26,11 +26,12 @@ def attrs(node: Inode) -> dict:
 
 
 class Session:
-    __slots__ = ("id", "client")
+    __slots__ = ("id", "client", "known")
 
     def __init__(self, sid: int, client: str):
         self.id = sid
         self.client = client
+        self.known: dict[int, int] = {}   # inode -> entries sent and not yet forgotten
 
 
 class ControlServer:
@@ -97,6 +98,22 @@ class ControlServer:
 
     # -- operations ------------------------------------------------------------------------
 
+    def _known(self, session: Session, node: Inode) -> dict:
+        """Attributes of an inode the client's kernel now holds a reference to (FUSE counts
+        every entry it is given and forgets them later with the same counts)."""
+        count = session.known.get(node.ino, 0)
+        if not count:
+            self.store.reference(node.ino)
+        session.known[node.ino] = count + 1
+        return attrs(node)
+
+    def _end_session(self, session: Session) -> int:
+        released = self.store.release_session(session.id)
+        for ino in session.known:
+            self.store.unreference(ino)
+        session.known.clear()
+        return released
+
     def _hello(self, identity: bytes, args: dict) -> dict:
         common = [v for v in args["versions"] if v in protocol.SUPPORTED_VERSIONS]
         if not common:
@@ -106,13 +123,13 @@ class ControlServer:
         if old is not None:
             for ident, sess in list(self.sessions.items()):
                 if sess.id == old:
-                    released = self.store.release_session(old)
+                    released = self._end_session(sess)
                     log.info("session %d replaced by a reconnect; released %d handles",
                              old, released)
                     del self.sessions[ident]
         previous = self.sessions.get(identity)
         if previous is not None:
-            self.store.release_session(previous.id)
+            self._end_session(previous)
         session = Session(next(self._session_ids), args.get("client", ""))
         self.sessions[identity] = session
         return {"version": max(common), "server": f"bluecached {__version__}",
@@ -124,7 +141,19 @@ class ControlServer:
         return {}
 
     async def op_lookup(self, session, parent, name) -> dict:
-        return attrs(self.store.lookup(parent, name))
+        return self._known(session, self.store.lookup(parent, name))
+
+    async def op_forget(self, session, inos, counts) -> dict:
+        if len(inos) != len(counts):
+            raise FsError(errno.EINVAL, "forget: inos and counts differ in length")
+        for ino, n in zip(inos, counts):
+            left = session.known.get(ino, 0) - n
+            if left > 0:
+                session.known[ino] = left
+            elif ino in session.known:
+                del session.known[ino]
+                self.store.unreference(ino)
+        return {}
 
     async def op_getattr(self, session, ino) -> dict:
         return attrs(self.store.getattr(ino))
@@ -133,11 +162,11 @@ class ControlServer:
         return attrs(await self.store.setattr(ino, **changes))
 
     async def op_mkdir(self, session, parent, name, mode, uid, gid) -> dict:
-        return attrs(self.store.mkdir(parent, name, mode, uid, gid))
+        return self._known(session, self.store.mkdir(parent, name, mode, uid, gid))
 
     async def op_create(self, session, parent, name, mode, uid, gid, flags) -> dict:
         handle = await self.store.create(parent, name, mode, uid, gid, flags, session.id)
-        return {"fh": handle.fh, "attr": attrs(handle.node)}
+        return {"fh": handle.fh, "attr": self._known(session, handle.node)}
 
     async def op_open(self, session, ino, flags) -> dict:
         handle = await self.store.open(ino, flags, session.id)
@@ -179,7 +208,8 @@ class ControlServer:
     async def op_readdir(self, session, ino, offset, limit=1024) -> dict:
         entries = self.store.readdir(ino, offset, max(1, min(limit, 4096)))
         # Full attributes: the kernel uses READDIRPLUS and caches what it is given.
-        return {"entries": [[name, attrs(node), cookie] for name, node, cookie in entries]}
+        return {"entries": [[name, self._known(session, node), cookie]
+                            for name, node, cookie in entries]}
 
     async def op_statfs(self, session) -> dict:
         return self.store.statfs()

@@ -49,6 +49,9 @@ class Store:
         self._ino_counter = 0
         self.ns = Namespace(self._new_ino, clock)
         self.handles: dict[int, Handle] = {}
+        # Inodes some client's kernel still holds (looked up, not yet forgotten): a file
+        # unlinked or replaced by rename stays openable until then, as on a local disk.
+        self.kernel_refs: dict[int, int] = {}
         self._next_fh = 1
         self.tmp_inos: set[int] = set()
         self.logical_bytes = 0
@@ -133,8 +136,9 @@ class Store:
         node.size = size
 
     def _maybe_destroy(self, node: Inode) -> None:
-        """An unlinked file goes away with its last handle."""
-        if node.parent is None and node.obj is not None and not node.obj.opens:
+        """An unlinked file goes away with its last handle and its last kernel reference."""
+        if (node.parent is None and node.obj is not None and not node.obj.opens
+                and node.ino not in self.kernel_refs):
             self.tiers.forget(node)
             self.logical_bytes -= node.size
             self.tmp_inos.discard(node.ino)
@@ -252,6 +256,9 @@ class Store:
 
     async def open(self, ino: int, flags: int, session: int = 0) -> Handle:
         node = self._file(ino)
+        obj = node.obj
+        if node.parent is None and not obj.resident and obj.extent is None and node.size:
+            raise FsError(errno.ENOENT, "the file was removed and its data evicted")
         if flags & os.O_TRUNC and _writable(flags):
             await self._truncate(node, 0)
         return self._open(node, flags, session)
@@ -337,6 +344,19 @@ class Store:
             if not obj.writers:
                 self.tiers.queue_writeback(node)
         self._maybe_destroy(node)
+
+    def reference(self, ino: int) -> None:
+        self.kernel_refs[ino] = self.kernel_refs.get(ino, 0) + 1
+
+    def unreference(self, ino: int) -> None:
+        left = self.kernel_refs.get(ino, 0) - 1
+        if left > 0:
+            self.kernel_refs[ino] = left
+            return
+        self.kernel_refs.pop(ino, None)
+        node = self.ns.inodes.get(ino)
+        if node is not None:
+            self._maybe_destroy(node)
 
     def release_session(self, session: int) -> int:
         """Closes what a client that went away left open."""

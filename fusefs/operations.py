@@ -135,12 +135,18 @@ class Operations(pyfuse3.Operations):
         return self._remember(attr)
 
     async def forget(self, inode_list):
+        # The cache keeps a removed file openable while the kernel holds it (rename-replace
+        # is atomic for a path lookup racing it): tell it what the kernel let go.
         for ino, count in inode_list:
             left = self.lookups.get(ino, 0) - count
             if left > 0:
                 self.lookups[ino] = left
             else:
                 self.lookups.pop(ino, None)
+        try:
+            await self.cache.forget(list(inode_list))
+        except OSError as e:  # forget has no reply: nothing to tell the kernel
+            log.debug("forget not delivered: %s", e)
 
     @_boundary
     async def getattr(self, inode, ctx=None):
@@ -207,9 +213,11 @@ class Operations(pyfuse3.Operations):
             entries = await self.cache.readdir(fh, offset, 256)
             if not entries:
                 return
-            for name, attr, cookie in entries:
-                # READDIRPLUS: each accepted entry is a lookup the kernel will forget later.
+            for i, (name, attr, cookie) in enumerate(entries):
+                # READDIRPLUS: each accepted entry is a lookup the kernel will forget later;
+                # the cache counted all it sent, so return the ones the kernel did not take.
                 if not pyfuse3.readdir_reply(token, name, self._entry(attr), cookie):
+                    await self.cache.forget([(a.ino, 1) for _, a, _ in entries[i:]])
                     return
                 self.lookups[attr.ino] = self.lookups.get(attr.ino, 0) + 1
                 offset = cookie

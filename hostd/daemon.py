@@ -24,9 +24,10 @@ from fusefs import Operations, Timeouts
 
 from . import config
 from .link import DaemonLink
-from .mount import FSNAME, MountError, clear_stale
+from .mount import FSNAME, MountError, clear_stale, unmount
 
 log = logging.getLogger("hostd")
+UNMOUNT_DRAIN_S = 10
 
 
 class StartupError(Exception):
@@ -102,21 +103,33 @@ async def run(cfg, path: Path | None, notifier) -> None:
                 pyfuse3.init(ops, str(mountpoint), options)
             except RuntimeError as e:
                 raise StartupError(f"cannot mount {mountpoint}: {e}") from None
+            fuse_done = trio.Event()
+
+            async def serve_fuse():
+                try:
+                    await pyfuse3.main()
+                finally:
+                    fuse_done.set()
+
+            nursery.start_soon(serve_fuse)
+            notifier.notify(f"READY=1\nSTATUS=serving {mountpoint}")
+            log.info("serving %s from bluecached at %s", mountpoint, control)
             try:
-                nursery.start_soon(pyfuse3.main)
-                notifier.notify(f"READY=1\nSTATUS=serving {mountpoint}")
-                log.info("serving %s from bluecached at %s", mountpoint, control)
                 async for signum in signals:
                     if signum == signal.SIGHUP:
-                        log.info("SIGHUP: nothing to reload live except log_level")
                         _reload_log_level(path)
                         continue
                     log.info("%s: unmounting %s", signal.Signals(signum).name, mountpoint)
                     notifier.notify("STOPPING=1")
                     break
+                # Unmount while still serving, so the kernel's last RELEASE and FORGET requests
+                # get answers; the FUSE loop ends when the kernel closes the session.
+                await trio.to_thread.run_sync(unmount, mountpoint)
+                with trio.move_on_after(UNMOUNT_DRAIN_S):
+                    await fuse_done.wait()
             finally:
                 pyfuse3.terminate()
-                pyfuse3.close(unmount=True)
+                pyfuse3.close(unmount=not fuse_done.is_set())
                 nursery.cancel_scope.cancel()
     link.close()
     log.info("stopped; hostd copied %d payload bytes", link.bytes_copied)

@@ -31,7 +31,7 @@ PING_INTERVAL = 1.0
 _READ_TAKES_BUFFER = tuple(int(x) for x in pyfuse3.__version__.split(".")[:2]) >= (3, 3)
 
 _IDEMPOTENT = {"lookup", "getattr", "read", "write", "readdir", "statfs", "open", "flush",
-               "ping"}
+               "ping", "forget"}
 
 
 class Staging:
@@ -283,6 +283,11 @@ class DaemonLink:
 
     async def statfs(self) -> dict:
         return await self.call("statfs")
+
+    async def forget(self, counts) -> None:
+        for start in range(0, len(counts), 4096):
+            batch = counts[start:start + 4096]
+            await self.call("forget", inos=[i for i, _ in batch], counts=[n for _, n in batch])
 
     def close(self) -> None:
         if self._channel is not None:

@@ -46,6 +46,18 @@ def _detach(mountpoint: Path) -> None:
                          f"fusermount3: {r.stderr.strip()}")
 
 
+def unmount(mountpoint: Path) -> None:
+    """Unmounts; if processes still use the mount, detaches it (they keep their files, new
+    path lookups no longer reach it) rather than leaving it mounted."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.umount2(os.fsencode(mountpoint), 0) == 0:
+        return
+    err = ctypes.get_errno()
+    if err == errno.EBUSY:
+        log.warning("%s is busy: detaching it lazily", mountpoint)
+    _detach(mountpoint)
+
+
 def clear_stale(mountpoint: Path) -> bool:
     """Unmounts a dead bluecache mount at `mountpoint`. Returns True if one was cleared;
     raises MountError if a live one is there (another hostd serves it) or something else is

@@ -38,3 +38,39 @@ def daemon(tmp_path):
         if d.log.exists():
             bad = d.unexpected_log_lines(d.allowed_log)
             assert not bad, "unexpected warnings in bluecached's log:\n" + "\n".join(bad)
+
+
+class Stack:
+    """bluecached + hostd as separate processes, the cache mounted at `mnt`."""
+
+    def __init__(self, daemon, hostd, mnt):
+        self.daemon, self.hostd, self.mnt = daemon, hostd, mnt
+
+    def path(self, rel: str):
+        return self.mnt / rel.lstrip("/")
+
+
+@pytest.fixture
+def mounted(tmp_path, daemon):
+    """Factory: start a real bluecached and a real hostd mounting a temp dir. Each stack is
+    torn down (unmounted) at the end, and unexpected warnings in either log fail the test."""
+    from support import HostdProcess, force_unmount
+
+    stacks = []
+
+    def make(allow_log=(), hostd_settings=None, **settings):
+        d = daemon(allow_log=allow_log, **settings).start()
+        mnt = tmp_path / f"mnt{len(stacks)}"
+        h = HostdProcess(d, mnt, **(hostd_settings or {})).start()
+        h.allowed_log = list(allow_log)
+        stack = Stack(d, h, mnt)
+        stacks.append(stack)
+        return stack
+
+    yield make
+    for s in stacks:
+        s.hostd.stop(timeout=30)
+        force_unmount(s.mnt)
+    for s in stacks:
+        bad = s.hostd.unexpected_log_lines(s.hostd.allowed_log)
+        assert not bad, "unexpected warnings in hostd's log:\n" + "\n".join(bad)

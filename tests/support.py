@@ -342,3 +342,77 @@ class FileClient:
         self.client.close()
         self.channel.close()
         self.shm.close()
+
+
+class HostdProcess:
+    """bluecache-hostd mounting a temp dir, connected to a DaemonProcess."""
+
+    def __init__(self, daemon: DaemonProcess, mountpoint: Path, **settings):
+        self.daemon = daemon
+        self.mountpoint = mountpoint
+        self.root = daemon.root
+        cfg = {"mountpoint": str(mountpoint), "state_dir": str(daemon.state_dir),
+               "daemon": {"request_timeout": "20s"}}
+        for key, value in settings.items():
+            node = cfg
+            *parents, last = key.split(".")
+            for p in parents:
+                node = node.setdefault(p, {})
+            node[last] = value
+        self.config = self.root / "hostd.yaml"
+        self.config.write_text(yaml.safe_dump(cfg))
+        self.log = self.root / "hostd.log"
+        self.proc: subprocess.Popen | None = None
+
+    def start(self, timeout: float = 30) -> "HostdProcess":
+        notify_path = self.root / "hostd-notify.sock"
+        with contextlib.suppress(FileNotFoundError):
+            notify_path.unlink()
+        notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        notify.bind(str(notify_path))
+        env = dict(os.environ, NOTIFY_SOCKET=str(notify_path), PYTHONUNBUFFERED="1")
+        with open(self.log, "ab") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "hostd.daemon", "--config", str(self.config)],
+                stdout=subprocess.DEVNULL, stderr=log, env=env)
+        try:
+            deadline = time.monotonic() + timeout
+            while True:
+                if self.proc.poll() is not None:
+                    raise RuntimeError(f"hostd exited with {self.proc.returncode}:\n"
+                                       + self.log.read_text())
+                if time.monotonic() > deadline:
+                    raise RuntimeError("hostd did not send READY=1:\n" + self.log.read_text())
+                notify.settimeout(0.5)
+                with contextlib.suppress(TimeoutError):
+                    if b"READY=1" in notify.recv(4096):
+                        return self
+        finally:
+            notify.close()
+
+    def stop(self, sig=signal.SIGTERM, timeout: float = 60) -> int:
+        if self.proc is None:
+            return 0
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+        return self.proc.wait(timeout)
+
+    def kill(self) -> None:
+        self.stop(signal.SIGKILL)
+
+    def unexpected_log_lines(self, allowed=()) -> list[str]:
+        if not self.log.exists():
+            return []
+        return [line for line in self.log.read_text().splitlines()
+                if (" WARNING " in line or " ERROR " in line or "Traceback" in line)
+                and not any(a in line for a in allowed)]
+
+
+def is_mounted(path: Path) -> bool:
+    return any(line.split()[4] == str(path)
+               for line in Path("/proc/self/mountinfo").read_text().splitlines())
+
+
+def force_unmount(path: Path) -> None:
+    if is_mounted(path):
+        subprocess.run(["umount", "-l", str(path)], check=False)

@@ -1,0 +1,978 @@
+#!/usr/bin/env python3
+"""Put/get throughput of 32 MiB objects through a real bluecached, against plain files.
+
+One run measures, for each client concurrency (default 1, 8 and 32):
+
+  bluecached   put       create + write + release           (acknowledged from DRAM: write-behind)
+               get       lookup + open + read + release     (DRAM hits)
+               get_nvme  the same gets after a daemon restart and a page-cache drop: every object
+                         is promoted from the NVMe tier with its CRC32C checked
+  baseline     write     os.open + os.write + os.close      (no fsync, like write-behind)
+               read_warm os.open + os.readv + os.close      (page cache hot, right after writing)
+               read_cold the same after sync + drop_caches  (what get_nvme is compared with)
+
+Clients are threads of this process. Each has its own SyncClient (one zmq DEALER), its own
+RegionChannel and its own 32 MiB SharedRegion (a sealed memfd) registered with the daemon; the
+baseline threads write from and read into those same buffers, so both sides move the same bytes
+between the same memory. Object bytes are random, with the object's name stamped into the first
+and last 64 bytes; every get and read checks both stamps.
+
+It then measures daemon start time with an index of many objects: bench/index_rebuild.py (the
+Journal.load + SegmentStore.rebuild part alone, 100k records) and a real daemon restarted over
+small files created through the protocol (after SIGKILL: journal replay; after SIGTERM: snapshot).
+
+    /tmp/venv/bin/python bench/store_bench.py            # full run -> docs/benchmarks/store.{json,png}
+    /tmp/venv/bin/python bench/store_bench.py --quick    # smoke test -> /tmp/bluecache-bench-quick/
+
+See bench/README.md for what each number means.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import errno
+import json
+import os
+import platform
+import re
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import yaml  # noqa: E402
+
+from bluecached import protocol  # noqa: E402
+from bluecached.client import RegionChannel, SharedRegion, SyncClient  # noqa: E402
+from bluecached.config import parse_size  # noqa: E402
+from bluecached.namespace import ROOT_INO  # noqa: E402
+
+KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
+OBJECT_SIZE = 32 * MiB
+STAMP = 64  # bytes of the object's name at the start and at the end of each object
+CALL_TIMEOUT = 300.0
+
+
+# -- machine -------------------------------------------------------------------------------------
+
+
+def cpu_model() -> str:
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return platform.processor() or "unknown"
+
+
+def mem_total() -> int:
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                return int(line.split()[1]) * KiB
+    return 0
+
+
+def mount_of(path: Path) -> dict:
+    """The mount holding path (longest mount point that is a prefix of its real path)."""
+    real = os.path.realpath(path)
+    best = {"mount_point": "?", "fs_type": "unknown", "device": "?"}
+    best_len = -1
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/mounts").read_text().splitlines():
+            dev, mnt, fstype = line.split()[:3]
+            mnt = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m[1], 8)), mnt)
+            inside = real == mnt or real.startswith(mnt.rstrip("/") + "/")
+            if inside and len(mnt) > best_len:
+                best, best_len = {"mount_point": mnt, "fs_type": fstype, "device": dev}, len(mnt)
+    return best
+
+
+def git_revision() -> dict:
+    def git(*args):
+        out = subprocess.run(["git", "-C", str(ROOT), *args], capture_output=True, text=True)
+        return out.stdout.strip() if out.returncode == 0 else None
+    status = git("status", "--porcelain", "--untracked-files=no")
+    return {"commit": git("rev-parse", "HEAD"), "tracked_changes": bool(status)}
+
+
+def machine_info(work: Path) -> dict:
+    return {
+        "platform": platform.platform(),
+        "kernel": platform.release(),
+        "cpu_model": cpu_model(),
+        "cores": os.cpu_count(),
+        "cores_usable": len(os.sched_getaffinity(0)),
+        "memory_bytes": mem_total(),
+        "python": platform.python_version(),
+        "python_impl": platform.python_implementation(),
+        "dir": str(work),
+        "dir_mount": mount_of(work),
+        "running_as_root": os.geteuid() == 0,
+    }
+
+
+# -- page cache ----------------------------------------------------------------------------------
+
+
+def drop_caches() -> str | None:
+    """sync, then drop clean page cache. None on success, else why it failed."""
+    os.sync()  # drop_caches only drops clean pages
+    try:
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("1\n")
+    except OSError as e:
+        return f"echo 1 > /proc/sys/vm/drop_caches failed: {e.strerror}"
+    return None
+
+
+# -- a bluecached process ------------------------------------------------------------------------
+
+
+class Daemon:
+    """bluecached as its own process with a config file; READY=1 read from a NOTIFY_SOCKET."""
+
+    def __init__(self, root: Path, settings: dict):
+        self.root = root
+        root.mkdir(parents=True, exist_ok=True)
+        state = root / "state"
+        if len(str(state)) > 80:  # ipc:// and unix socket paths must stay under 108 bytes
+            state = Path(tempfile.mkdtemp(prefix="bcb-", dir="/tmp"))
+            self._own_state = state
+        else:
+            self._own_state = None
+        self.state_dir = state
+        self.cfg = {"state_dir": str(state), "log_level": "info", "metrics": {"listen": ""}}
+        for key, value in settings.items():  # dotted keys, e.g. "tiers.dram.size"
+            node = self.cfg
+            *parents, last = key.split(".")
+            for p in parents:
+                node = node.setdefault(p, {})
+            node[last] = value
+        self.config = root / "bluecached.yaml"
+        self.config.write_text(yaml.safe_dump(self.cfg, sort_keys=False))
+        self.endpoints = protocol.state_dir_endpoints(str(state))
+        self.log = root / "bluecached.log"
+        self.proc: subprocess.Popen | None = None
+        self._notify: socket.socket | None = None
+        self._notes: list[tuple[float, str]] = []
+        self._log_from = 0
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def _read_notify(self, sock: socket.socket) -> None:
+        while True:
+            try:
+                data = sock.recv(4096)
+            except OSError:
+                return
+            self._notes.append((time.perf_counter(), data.decode(errors="replace")))
+
+    def start(self, timeout: float = 600) -> dict:
+        """Starts the daemon; returns seconds until READY=1 and until `hello` was answered, and
+        the index rebuild line the daemon logged."""
+        path = self.root / "notify.sock"
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+        self._notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self._notify.bind(str(path))
+        self._notes = []
+        threading.Thread(target=self._read_notify, args=(self._notify,), daemon=True).start()
+        control_sock = Path(self.endpoints["control"][len("ipc://"):])
+        with contextlib.suppress(FileNotFoundError):
+            control_sock.unlink()  # so its appearance means "bound by this start"
+        self._log_from = self.log.stat().st_size if self.log.exists() else 0
+        env = dict(os.environ, NOTIFY_SOCKET=str(path), PYTHONUNBUFFERED="1",
+                   PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT),
+                                                            os.environ.get("PYTHONPATH")])))
+        t0 = time.perf_counter()
+        with open(self.log, "ab") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "bluecached.daemon", "--config", str(self.config)],
+                stdout=subprocess.DEVNULL, stderr=log, env=env, cwd="/")
+        deadline = t0 + timeout
+        hello_at = None
+        while hello_at is None:  # poll for the control socket, then time one hello
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"bluecached exited with {self.proc.returncode}:\n"
+                                   + self.new_log())
+            if time.perf_counter() > deadline:
+                raise RuntimeError("bluecached did not bind its control socket:\n"
+                                   + self.new_log())
+            if control_sock.exists():
+                try:
+                    client = SyncClient(self.endpoints["control"], timeout=5,
+                                        client_name="store_bench")
+                except OSError as e:  # no answer yet (or it died): look again
+                    if e.errno != errno.ETIMEDOUT:
+                        raise
+                    continue
+                hello_at = time.perf_counter()
+                client.close()
+            else:
+                time.sleep(0.002)
+        while not any("READY=1" in m for _, m in self._notes):
+            if self.proc.poll() is not None or time.perf_counter() > deadline:
+                raise RuntimeError("bluecached did not send READY=1:\n" + self.new_log())
+            time.sleep(0.002)
+        ready_at = next(t for t, m in self._notes if "READY=1" in m)
+        rebuilt = re.search(r"index rebuilt: (\d+) files, (\d+) inodes from (\d+) records in "
+                            r"([0-9.]+)s", self.new_log())
+        out = {"ready_s": round(ready_at - t0, 4), "hello_s": round(hello_at - t0, 4)}
+        if rebuilt:
+            out["index"] = {"files": int(rebuilt[1]), "inodes": int(rebuilt[2]),
+                            "records": int(rebuilt[3]), "load_s": float(rebuilt[4])}
+        return out
+
+    def client(self) -> SyncClient:
+        return SyncClient(self.endpoints["control"], timeout=CALL_TIMEOUT,
+                          client_name="store_bench")
+
+    def call(self, op: str, **args):
+        client = self.client()
+        try:
+            return client.call(op, **args)
+        finally:
+            client.close()
+
+    def stop(self, sig=signal.SIGTERM, timeout: float = 900) -> float:
+        """Signals the daemon and waits; returns seconds until it exited."""
+        t0 = time.perf_counter()
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+                raise RuntimeError(f"bluecached did not exit within {timeout}s of {sig!r}") \
+                    from None
+            if sig == signal.SIGTERM and self.proc.returncode != 0:
+                raise RuntimeError(f"bluecached exited with {self.proc.returncode} on SIGTERM:\n"
+                                   + self.new_log())
+        elapsed = time.perf_counter() - t0
+        if self._notify is not None:
+            self._notify.close()
+            self._notify = None
+        return round(elapsed, 4)
+
+    def new_log(self) -> str:
+        with contextlib.suppress(OSError), open(self.log, "rb") as f:
+            f.seek(self._log_from)
+            return f.read().decode(errors="replace")
+        return ""
+
+    def log_problems(self) -> list[str]:
+        """WARNING/ERROR lines and tracebacks anywhere in this daemon's log."""
+        if not self.log.exists():
+            return []
+        return [line for line in self.log.read_text(errors="replace").splitlines()
+                if " WARNING " in line or " ERROR " in line or "Traceback" in line]
+
+    def cleanup(self) -> None:
+        with contextlib.suppress(Exception):
+            self.stop(signal.SIGKILL, timeout=30)
+        if self._own_state is not None:
+            shutil.rmtree(self._own_state, ignore_errors=True)
+
+
+# -- clients -------------------------------------------------------------------------------------
+
+
+class Worker:
+    """One client: a 32 MiB shared region of random bytes, and (while attached) its own control
+    connection and region channel to the daemon."""
+
+    def __init__(self, index: int, size: int):
+        self.index = index
+        self.size = size
+        self.shm = SharedRegion(size, name=f"store-bench-{index}")
+        block = os.urandom(MiB)
+        for pos in range(0, size, MiB):
+            n = min(MiB, size - pos)
+            self.shm.view[pos:pos + n] = block[:n]
+        self.client: SyncClient | None = None
+        self.channel: RegionChannel | None = None
+        self.region = 0
+
+    def attach(self, daemon: Daemon) -> None:
+        self.client = daemon.client()
+        self.channel = RegionChannel(daemon.endpoints["regions"])
+        self.region = self.channel.register(self.shm)
+
+    def detach(self) -> None:
+        if self.channel is not None:
+            self.channel.close()
+        if self.client is not None:
+            self.client.close()
+        self.client = self.channel = None
+
+    # object identity in the bytes, so a read that returned the wrong object (or nothing) shows
+
+    def stamp(self, name: bytes) -> None:
+        mark = name.ljust(STAMP, b".")[:STAMP]
+        self.shm.view[:STAMP] = mark
+        self.shm.view[self.size - STAMP:] = mark
+
+    def unstamp(self) -> None:
+        self.shm.view[:STAMP] = bytes(STAMP)
+        self.shm.view[self.size - STAMP:] = bytes(STAMP)
+
+    def check(self, name: bytes) -> None:
+        mark = name.ljust(STAMP, b".")[:STAMP]
+        if self.shm.view[:STAMP] != mark or self.shm.view[self.size - STAMP:] != mark:
+            raise RuntimeError(f"object {name!r} read back with the wrong bytes")
+
+    def close(self) -> None:
+        self.detach()
+        self.shm.close()
+
+
+def run_phase(workers: list[Worker], names: list[list[bytes]], op) -> dict:
+    """Runs op(worker, name) for each worker's names in one thread per worker, all released at
+    once; returns wall time, throughput and per-object latency."""
+    barrier = threading.Barrier(len(workers) + 1)
+    latencies: list[list[float]] = [[] for _ in workers]
+    errors: list[BaseException] = []
+
+    def body(i: int) -> None:
+        try:
+            barrier.wait()
+            w = workers[i]
+            for name in names[i]:
+                t = time.perf_counter()
+                op(w, name)
+                latencies[i].append(time.perf_counter() - t)
+        except threading.BrokenBarrierError:
+            pass
+        except BaseException as e:  # noqa: BLE001 (re-raised in the main thread)
+            errors.append(e)
+
+    threads = [threading.Thread(target=body, args=(i,), daemon=True) for i in range(len(workers))]
+    for t in threads:
+        t.start()
+    barrier.wait()
+    t0 = time.perf_counter()
+    for t in threads:
+        t.join()
+    seconds = time.perf_counter() - t0
+    if errors:
+        raise errors[0]
+    lat = sorted(x for per in latencies for x in per)
+    count = len(lat)
+    total = count * workers[0].size
+    return {
+        "objects": count,
+        "bytes": total,
+        "seconds": round(seconds, 4),
+        "mib_s": round(total / MiB / seconds, 1),
+        "latency_ms": {"p50": round(1000 * statistics.median(lat), 2),
+                       "p99": round(1000 * lat[min(count - 1, int(0.99 * count))], 2),
+                       "max": round(1000 * lat[-1], 2)},
+    }
+
+
+# bluecached operations (what hostd does for one file)
+
+
+def bc_put(piece: int, parent: int):
+    def put(w: Worker, name: bytes) -> None:
+        w.stamp(name)
+        c = w.client
+        fh = c.call("create", parent=parent, name=name, mode=0o644, uid=0, gid=0,
+                    flags=os.O_WRONLY | os.O_CREAT | os.O_TRUNC)["fh"]
+        for pos in range(0, w.size, piece):
+            n = min(piece, w.size - pos)
+            c.call("write", fh=fh, offset=pos, length=n, region=w.region, region_offset=pos)
+        c.call("release", fh=fh)
+    return put
+
+
+def bc_get(piece: int, parent: int):
+    def get(w: Worker, name: bytes) -> None:
+        w.unstamp()
+        c = w.client
+        ino = c.call("lookup", parent=parent, name=name)["ino"]
+        fh = c.call("open", ino=ino, flags=os.O_RDONLY)["fh"]
+        pos = 0
+        try:
+            while pos < w.size:
+                n = c.call("read", fh=fh, offset=pos, length=min(piece, w.size - pos),
+                           region=w.region, region_offset=pos)["length"]
+                if not n:
+                    break
+                pos += n
+        finally:
+            c.call("release", fh=fh)
+        if pos != w.size:
+            raise RuntimeError(f"{name!r}: read {pos} of {w.size} bytes")
+        w.check(name)
+    return get
+
+
+# baseline: plain files, same buffers, same piece size
+
+
+def fs_write(piece: int, directory: Path):
+    def write(w: Worker, name: bytes) -> None:
+        w.stamp(name)
+        fd = os.open(directory / name.decode(), os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC,
+                     0o644)
+        try:
+            view = w.shm.view
+            pos = 0
+            while pos < w.size:
+                pos += os.write(fd, view[pos:min(pos + piece, w.size)])
+        finally:
+            os.close(fd)
+    return write
+
+
+def fs_read(piece: int, directory: Path):
+    def read(w: Worker, name: bytes) -> None:
+        w.unstamp()
+        fd = os.open(directory / name.decode(), os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            view = w.shm.view
+            pos = 0
+            while pos < w.size:
+                n = os.readv(fd, [view[pos:min(pos + piece, w.size)]])
+                if not n:
+                    break
+                pos += n
+        finally:
+            os.close(fd)
+        if pos != w.size:
+            raise RuntimeError(f"{name!r}: read {pos} of {w.size} bytes")
+        w.check(name)
+    return read
+
+
+# -- the daemon's view ---------------------------------------------------------------------------
+
+
+def wait_drained(daemon: Daemon, timeout: float = 900) -> float:
+    """Waits until write-behind has put every dirty byte on NVMe; returns the seconds waited."""
+    t0 = time.perf_counter()
+    client = daemon.client()
+    try:
+        while client.call("stats")["dirty_bytes"]:
+            if time.perf_counter() - t0 > timeout:
+                raise RuntimeError(f"write-behind did not drain within {timeout}s")
+            time.sleep(0.01)
+    finally:
+        client.close()
+    return round(time.perf_counter() - t0, 4)
+
+
+def tier_counters(stats: dict) -> dict:
+    t = stats["tiers"]
+    return {"dram_hits": t["dram"]["hits"], "dram_misses": t["dram"]["misses"],
+            "nvme_hits": t.get("nvme", {}).get("hits", 0),
+            "dram_evictions": t["dram"]["evictions"],
+            "checksum_failures": stats["checksum_failures"],
+            "writeback_failures": stats["writeback_failures"]}
+
+
+def delta(after: dict, before: dict) -> dict:
+    return {k: after[k] - before.get(k, 0) for k in after}
+
+
+class Profiler:
+    """Optional py-spy record of the daemon for the length of one phase."""
+
+    def __init__(self, out_dir: Path | None):
+        self.out_dir = out_dir
+        self.proc: subprocess.Popen | None = None
+
+    @contextlib.contextmanager
+    def record(self, pid: int, label: str):
+        if self.out_dir is None:
+            yield
+            return
+        exe = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
+        out = self.out_dir / f"{label}.svg"
+        proc = subprocess.Popen([exe, "record", "--pid", str(pid), "--threads", "--output",
+                                 str(out), "--rate", "200"],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        time.sleep(1.0)  # let it attach
+        try:
+            yield
+        finally:
+            proc.send_signal(signal.SIGINT)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(60)
+
+
+# -- the throughput points -----------------------------------------------------------------------
+
+
+def per_worker_names(concurrency: int, objects: int) -> list[list[bytes]]:
+    each = objects // concurrency
+    return [[f"obj-{c:02d}-{i:04d}".encode() for i in range(each)] for c in range(concurrency)]
+
+
+def throughput_point(daemon: Daemon, workers_all: list[Worker], concurrency: int, objects: int,
+                     piece: int, base_dir: Path, profiler: Profiler, notes: list[str]) -> dict:
+    workers = workers_all[:concurrency]
+    names = per_worker_names(concurrency, objects)
+    dirname = f"c{concurrency}".encode()
+    point: dict = {"concurrency": concurrency, "objects": objects,
+                   "objects_per_client": objects // concurrency,
+                   "bytes": objects * OBJECT_SIZE}
+
+    # bluecached: put, write-behind drain, get from DRAM
+    bc: dict = {}
+    os.sync()
+    parent = daemon.call("mkdir", parent=ROOT_INO, name=dirname, mode=0o755, uid=0, gid=0)["ino"]
+    for w in workers:
+        w.attach(daemon)
+    try:
+        before = tier_counters(daemon.call("stats"))
+        with profiler.record(daemon.pid, f"c{concurrency}-put"):
+            bc["put"] = run_phase(workers, names, bc_put(piece, parent))
+        bc["put"]["drain_s"] = wait_drained(daemon)
+        bc["put"]["put_plus_drain_mib_s"] = round(
+            bc["put"]["bytes"] / MiB / (bc["put"]["seconds"] + bc["put"]["drain_s"]), 1)
+        with profiler.record(daemon.pid, f"c{concurrency}-get"):
+            bc["get"] = run_phase(workers, names, bc_get(piece, parent))
+        bc["get"]["tiers"] = delta(tier_counters(daemon.call("stats")), before)
+    finally:
+        for w in workers:
+            w.detach()
+
+    # restart: DRAM is empty afterwards, every get is a promotion from NVMe
+    bc["restart"] = {"sigterm_stop_s": daemon.stop()}
+    bc["restart"].update(daemon.start())
+    failed = drop_caches()
+    if failed:
+        notes.append(f"c{concurrency}: page cache NOT dropped before get_nvme: {failed}")
+    parent = daemon.call("lookup", parent=ROOT_INO, name=dirname)["ino"]
+    for w in workers:
+        w.attach(daemon)
+    try:
+        before = tier_counters(daemon.call("stats"))
+        with profiler.record(daemon.pid, f"c{concurrency}-get_nvme"):
+            bc["get_nvme"] = run_phase(workers, names, bc_get(piece, parent))
+        bc["get_nvme"]["page_cache_dropped"] = failed is None
+        bc["get_nvme"]["tiers"] = tiers = delta(tier_counters(daemon.call("stats")), before)
+        if tiers["nvme_hits"] != objects or tiers["checksum_failures"]:
+            notes.append(f"c{concurrency}: get_nvme expected {objects} NVMe promotions, "
+                         f"counters say {tiers}")
+    finally:
+        for w in workers:
+            w.detach()
+    client = daemon.client()
+    try:
+        for per in names:
+            for name in per:
+                client.call("unlink", parent=parent, name=name)
+        client.call("rmdir", parent=ROOT_INO, name=dirname)
+    finally:
+        client.close()
+    point["bluecached"] = bc
+
+    # baseline: plain files in the same file system
+    base: dict = {}
+    directory = base_dir / dirname.decode()
+    directory.mkdir(parents=True)
+    try:
+        os.sync()
+        base["write"] = run_phase(workers, names, fs_write(piece, directory))
+        t = time.perf_counter()
+        os.sync()
+        base["write"]["sync_s"] = round(time.perf_counter() - t, 4)
+        base["write"]["write_plus_sync_mib_s"] = round(
+            base["write"]["bytes"] / MiB / (base["write"]["seconds"] + base["write"]["sync_s"]), 1)
+        base["read_warm"] = run_phase(workers, names, fs_read(piece, directory))
+        failed = drop_caches()
+        if failed:
+            notes.append(f"c{concurrency}: page cache NOT dropped before read_cold: {failed}")
+        base["read_cold"] = run_phase(workers, names, fs_read(piece, directory))
+        base["read_cold"]["page_cache_dropped"] = failed is None
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+    point["baseline"] = base
+
+    def ratio(a: dict, b: dict) -> float:
+        return round(a["mib_s"] / b["mib_s"], 3)
+    point["ratio"] = {
+        "put_vs_write": ratio(bc["put"], base["write"]),
+        "get_vs_read_warm": ratio(bc["get"], base["read_warm"]),
+        "get_vs_read_cold": ratio(bc["get"], base["read_cold"]),
+        "get_nvme_vs_read_cold": ratio(bc["get_nvme"], base["read_cold"]),
+    }
+    return point
+
+
+# -- index rebuild -------------------------------------------------------------------------------
+
+
+def offline_index_rebuild(objects: int, work: Path, notes: list[str]) -> dict:
+    script = ROOT / "bench" / "index_rebuild.py"
+    if not script.exists():
+        notes.append("bench/index_rebuild.py not found: offline index rebuild not measured")
+        return {"skipped": "bench/index_rebuild.py not found"}
+    out = work / "index_rebuild.json"
+    t0 = time.perf_counter()
+    proc = subprocess.run([sys.executable, str(script), "--objects", str(objects),
+                           "--dir", str(work / "index_rebuild"), "--out", str(out)],
+                          capture_output=True, text=True, cwd=ROOT)
+    wall = time.perf_counter() - t0
+    shutil.rmtree(work / "index_rebuild", ignore_errors=True)
+    if proc.returncode != 0:
+        notes.append(f"bench/index_rebuild.py failed ({proc.returncode}): "
+                     f"{proc.stderr.strip()[-500:]}")
+        return {"failed": proc.returncode, "stderr_tail": proc.stderr[-2000:]}
+    result = json.loads(out.read_text())
+    result.pop("machine", None)  # same machine as this file's
+    result["script_wall_s"] = round(wall, 2)
+    return result
+
+
+def populate_small(daemon: Daemon, count: int, clients: int, size: int, per_dir: int) -> dict:
+    """Creates `count` files of `size` bytes through the protocol, spread over directories of
+    `per_dir` files, from `clients` threads."""
+    ndirs = -(-count // per_dir)
+    dirs = [daemon.call("mkdir", parent=ROOT_INO, name=f"d{d:04d}".encode(), mode=0o755,
+                        uid=0, gid=0)["ino"] for d in range(ndirs)]
+    region = -(-size // 4096) * 4096
+    workers = [Worker(i, region) for i in range(clients)]
+    errors: list[BaseException] = []
+    done = [0] * clients
+
+    def body(i: int) -> None:
+        w = workers[i]
+        try:
+            c = w.client
+            for k in range(i, count, clients):
+                fh = c.call("create", parent=dirs[k // per_dir], name=f"f{k:07d}".encode(),
+                            mode=0o644, uid=0, gid=0,
+                            flags=os.O_WRONLY | os.O_CREAT | os.O_TRUNC)["fh"]
+                c.call("write", fh=fh, offset=0, length=size, region=w.region, region_offset=0)
+                c.call("release", fh=fh)
+                done[i] += 1
+        except BaseException as e:  # noqa: BLE001
+            errors.append(e)
+
+    for w in workers:
+        w.attach(daemon)
+    try:
+        threads = [threading.Thread(target=body, args=(i,), daemon=True) for i in range(clients)]
+        t0 = time.perf_counter()
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        seconds = time.perf_counter() - t0
+    finally:
+        for w in workers:
+            w.close()
+    if errors:
+        raise errors[0]
+    drain = wait_drained(daemon)
+    return {"files": sum(done), "file_bytes": size, "directories": ndirs, "clients": clients,
+            "create_s": round(seconds, 3), "files_per_s": round(sum(done) / seconds, 1),
+            "drain_s": drain}
+
+
+def daemon_restart_index(work: Path, files: int, clients: int, settings: dict,
+                         notes: list[str]) -> dict:
+    daemon = Daemon(work / "index_daemon", settings)
+    out: dict = {}
+    try:
+        out["empty_start"] = daemon.start()
+        out["populate"] = populate_small(daemon, files, clients, 4 * KiB, 1000)
+        stats = daemon.call("stats")
+        out["populate"]["nvme_objects"] = stats["tiers"]["nvme"]["objects"]
+        out["populate"]["dram_evictions"] = stats["tiers"]["dram"]["evictions"]
+        # SIGKILL: no checkpoint, so the next start replays every journal record
+        daemon.stop(signal.SIGKILL)
+        drop_caches()
+        out["after_sigkill"] = daemon.start()
+        out["after_sigkill"]["files_served"] = daemon.call("stats")["files"]
+        # SIGTERM: flush + checkpoint, so the next start reads one snapshot
+        out["sigterm_stop_s"] = daemon.stop()
+        drop_caches()
+        out["after_sigterm"] = daemon.start()
+        out["after_sigterm"]["files_served"] = daemon.call("stats")["files"]
+        for key in ("after_sigkill", "after_sigterm"):
+            if out[key]["files_served"] != files:
+                notes.append(f"daemon restart ({key}): {out[key]['files_served']} files served "
+                             f"after the restart, {files} were created")
+        base = out["empty_start"]["hello_s"]
+        per = (out["after_sigterm"]["hello_s"] - base) / files
+        out["extrapolated_100k_hello_s"] = round(base + per * 100_000, 2)
+        out["index_dir_bytes"] = sum(p.stat().st_size for p in (work / "index_daemon" / "nvme")
+                                     .glob("*") if p.name.startswith(("index", "journal")))
+        out["log_problems"] = daemon.log_problems()[:20]
+        daemon.stop()
+    finally:
+        daemon.cleanup()
+        shutil.rmtree(work / "index_daemon", ignore_errors=True)
+    return out
+
+
+# -- output --------------------------------------------------------------------------------------
+
+PHASES = [  # (label, side, phase) in table/plot order
+    ("put", "bluecached", "put"), ("write", "baseline", "write"),
+    ("get", "bluecached", "get"), ("read warm", "baseline", "read_warm"),
+    ("get NVMe", "bluecached", "get_nvme"), ("read cold", "baseline", "read_cold"),
+]
+
+
+def markdown(result: dict) -> str:
+    lines = ["| clients | put | write | put/write | get (DRAM) | read warm | get/warm "
+             "| get/cold | get NVMe | read cold | NVMe/cold |",
+             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for p in result["points"]:
+        bc, base, r = p["bluecached"], p["baseline"], p["ratio"]
+        lines.append(
+            f"| {p['concurrency']} | {bc['put']['mib_s']:.0f} | {base['write']['mib_s']:.0f} "
+            f"| {r['put_vs_write']:.2f} | {bc['get']['mib_s']:.0f} "
+            f"| {base['read_warm']['mib_s']:.0f} | {r['get_vs_read_warm']:.2f} "
+            f"| {r['get_vs_read_cold']:.2f} | {bc['get_nvme']['mib_s']:.0f} "
+            f"| {base['read_cold']['mib_s']:.0f} | {r['get_nvme_vs_read_cold']:.2f} |")
+    lines.append("")
+    lines.append("MiB/s of 32 MiB objects; ratio = bluecached / baseline.")
+    return "\n".join(lines)
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    points = result["points"]
+    xs = list(range(len(points)))
+    panels = [("put vs write (no fsync)", ("bluecached", "put"), ("baseline", "write"),
+               "put_vs_write"),
+              ("get (DRAM hit) vs read (page cache warm)", ("bluecached", "get"),
+               ("baseline", "read_warm"), "get_vs_read_warm"),
+              ("get from NVMe vs read (page cache dropped)", ("bluecached", "get_nvme"),
+               ("baseline", "read_cold"), "get_nvme_vs_read_cold")]
+    fig, axes = plt.subplots(1, 3, figsize=(15, 5), sharey=False)
+    width = 0.38
+    for ax, (title, (s1, p1), (s2, p2), rkey) in zip(axes, panels, strict=True):
+        a = [p[s1][p1]["mib_s"] for p in points]
+        b = [p[s2][p2]["mib_s"] for p in points]
+        ax.bar([x - width / 2 for x in xs], a, width, label=f"bluecached {p1}", color="#1f77b4")
+        ax.bar([x + width / 2 for x in xs], b, width, label=f"files {p2}", color="#bbbbbb",
+               hatch="//", edgecolor="#666666")
+        top = max(a + b) or 1
+        for x, p, va, vb in zip(xs, points, a, b, strict=True):
+            ax.text(x, max(va, vb) + 0.02 * top, f"×{p['ratio'][rkey]:.2f}", ha="center",
+                    va="bottom", fontsize=10, fontweight="bold")
+        ax.set_ylim(0, top * 1.15)
+        ax.set_xticks(xs, [f"{p['concurrency']} client{'s' if p['concurrency'] > 1 else ''}"
+                           for p in points])
+        ax.set_title(title, fontsize=10)
+        ax.set_ylabel("MiB/s")
+        ax.legend(fontsize=8, loc="upper left")
+    m = result["machine"]
+    fig.suptitle(f"bluecached vs plain files, 32 MiB objects — {m['cpu_model']}, "
+                 f"{m['cores']} cores, {m['dir_mount']['fs_type']}, "
+                 f"O_DIRECT {'on' if result['daemon'].get('o_direct') else 'off'}"
+                 f"{' (quick)' if result['config']['quick'] else ''}", fontsize=11)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# -- main ----------------------------------------------------------------------------------------
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true",
+                    help="small sizes for a smoke test (and outputs to a temporary directory "
+                         "unless --out-dir is given)")
+    ap.add_argument("--out-dir", type=Path,
+                    help="where store.json and store.png go (default docs/benchmarks, "
+                         "or /tmp/bluecache-bench-quick with --quick)")
+    ap.add_argument("--dir", type=Path,
+                    help="work directory for the NVMe tier and the baseline files (default: a "
+                         "new temporary directory under /var/tmp, removed at the end)")
+    ap.add_argument("--total", default=None,
+                    help="bytes per point and side, e.g. 1GiB (default 1GiB, --quick 128MiB); "
+                         "rounded so every client writes the same number of 32 MiB objects")
+    ap.add_argument("--concurrency", default=None,
+                    help="comma-separated client counts (default 1,8,32; --quick 1,4)")
+    ap.add_argument("--piece", default="32MiB",
+                    help="bytes per write/read request (and per os.write/readv), default 32MiB "
+                         "(one request per object)")
+    ap.add_argument("--dram", default=None,
+                    help="DRAM tier size (default: twice a round, at least 1GiB)")
+    ap.add_argument("--nvme-size", default=None,
+                    help="NVMe tier capacity (default: twice a round + 1GiB; segment files are "
+                         "sparse)")
+    ap.add_argument("--durability", choices=("fsync", "none"), default="fsync",
+                    help="daemon durability (default fsync, the daemon's own default)")
+    ap.add_argument("--index-files", type=int, default=None,
+                    help="small files for the daemon restart measurement (default 20000, "
+                         "--quick 1000; 0 skips it)")
+    ap.add_argument("--index-clients", type=int, default=4,
+                    help="threads creating those files (default 4)")
+    ap.add_argument("--index-objects", type=int, default=None,
+                    help="records for bench/index_rebuild.py (default 100000, --quick 10000; "
+                         "0 skips it)")
+    ap.add_argument("--py-spy", type=Path, metavar="DIR",
+                    help="record a py-spy flame graph of the daemon for each bluecached phase "
+                         "into DIR (slows the daemon down; not for published numbers)")
+    ap.add_argument("--keep", action="store_true", help="keep the work directory")
+    args = ap.parse_args(argv)
+    q = args.quick
+    args.total = parse_size(args.total or ("128MiB" if q else "1GiB"))
+    args.concurrency = [int(c) for c in (args.concurrency or ("1,4" if q else "1,8,32"))
+                        .split(",")]
+    args.piece = parse_size(args.piece)
+    if not 0 < args.piece <= OBJECT_SIZE or args.piece % 4096:
+        ap.error("--piece must be a multiple of 4 KiB and at most 32 MiB")
+    if args.index_files is None:
+        args.index_files = 1000 if q else 20_000
+    if args.index_objects is None:
+        args.index_objects = 10_000 if q else 100_000
+    if args.out_dir is None:
+        args.out_dir = Path("/tmp/bluecache-bench-quick") if q else ROOT / "docs" / "benchmarks"
+    return args
+
+
+def objects_for(total: int, concurrency: int) -> int:
+    objects = max(1, round(total / OBJECT_SIZE))
+    return -(-objects // concurrency) * concurrency
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    started = time.time()
+    t_start = time.perf_counter()
+    own_work = args.dir is None
+    work = Path(tempfile.mkdtemp(prefix="bcbench-", dir="/var/tmp")) if own_work else args.dir
+    work.mkdir(parents=True, exist_ok=True)
+    if not own_work and any(work.iterdir()):
+        print(f"store_bench: {work} is not empty; give an empty --dir", file=sys.stderr)
+        return 2
+    rounds = {c: objects_for(args.total, c) for c in args.concurrency}
+    biggest = max(rounds.values()) * OBJECT_SIZE
+    dram = parse_size(args.dram) if args.dram else max(GiB, -(-2 * biggest // GiB) * GiB)
+    nvme = parse_size(args.nvme_size) if args.nvme_size else 2 * biggest + GiB
+    need = biggest * 2 + 512 * MiB  # one round in the NVMe tier, one as baseline files
+    free = shutil.disk_usage(work).free
+    if free < need:
+        print(f"store_bench: {work} has {free / GiB:.1f} GiB free, needs {need / GiB:.1f}",
+              file=sys.stderr)
+        return 2
+    if args.py_spy:
+        args.py_spy.mkdir(parents=True, exist_ok=True)
+    profiler = Profiler(args.py_spy)
+    notes: list[str] = []
+    settings = {"tiers.dram.size": dram, "tiers.nvme.path": str(work / "daemon" / "nvme"),
+                "tiers.nvme.size": nvme, "durability": args.durability,
+                "write_policy": "write-behind"}
+    result: dict = {
+        "benchmark": "bluecached store: put/get of 32 MiB objects vs plain files",
+        "started": datetime.datetime.fromtimestamp(started).astimezone().isoformat(
+            timespec="seconds"),
+        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "revision": git_revision(),
+        "machine": machine_info(work),
+        "config": {"quick": args.quick, "object_bytes": OBJECT_SIZE, "piece_bytes": args.piece,
+                   "total_bytes_per_point": args.total, "concurrency": args.concurrency,
+                   "objects_per_point": {str(c): n for c, n in rounds.items()},
+                   "client_model": "one thread per client, each with its own SyncClient, "
+                                   "RegionChannel and 32 MiB SharedRegion",
+                   "dram_bytes": dram, "nvme_bytes": nvme, "durability": args.durability,
+                   "write_policy": "write-behind",
+                   "baseline": "os.open/os.write/os.readv/os.close, no fsync, same buffers"},
+    }
+    print(f"store_bench: work dir {work} ({result['machine']['dir_mount']['fs_type']}), "
+          f"dram {dram / GiB:.1f} GiB, points {rounds}", file=sys.stderr)
+    workers: list[Worker] = []
+    daemon = Daemon(work / "daemon", settings)
+    try:
+        start = daemon.start()
+        status = daemon.call("status")
+        result["daemon"] = {"o_direct": status["o_direct"], "engine": status["engine"],
+                            "version": status["version"], "durability": status["durability"],
+                            "write_policy": status["write_policy"], "empty_start": start,
+                            "config": daemon.cfg}
+        workers = [Worker(i, OBJECT_SIZE) for i in range(max(args.concurrency))]
+        result["points"] = []
+        for c in args.concurrency:
+            print(f"store_bench: {c} client(s), {rounds[c]} objects ...", file=sys.stderr)
+            t = time.perf_counter()
+            point = throughput_point(daemon, workers, c, rounds[c], args.piece,
+                                     work / "files", profiler, notes)
+            point["point_wall_s"] = round(time.perf_counter() - t, 1)
+            result["points"].append(point)
+            print("  " + ", ".join(f"{label} {point[side][phase]['mib_s']:.0f}"
+                                   for label, side, phase in PHASES) + " MiB/s", file=sys.stderr)
+        result["daemon"]["log_problems"] = daemon.log_problems()[:20]
+        result["daemon"]["final_sigterm_stop_s"] = daemon.stop()
+    finally:
+        for w in workers:
+            w.close()
+        daemon.cleanup()
+        shutil.rmtree(work / "daemon", ignore_errors=True)
+        shutil.rmtree(work / "files", ignore_errors=True)
+
+    try:
+        index: dict = {}
+        if args.index_objects:
+            print(f"store_bench: bench/index_rebuild.py --objects {args.index_objects} ...",
+                  file=sys.stderr)
+            index["offline"] = offline_index_rebuild(args.index_objects, work, notes)
+        if args.index_files:
+            print(f"store_bench: daemon restart over {args.index_files} small files ...",
+                  file=sys.stderr)
+            index["daemon_restart"] = daemon_restart_index(
+                work, args.index_files, args.index_clients,
+                {**settings, "tiers.nvme.path": str(work / "index_daemon" / "nvme"),
+                 "tiers.nvme.size": 2 * GiB, "tiers.dram.size": GiB}, notes)
+        result["index_rebuild"] = index
+    finally:
+        if own_work and not args.keep:
+            shutil.rmtree(work, ignore_errors=True)
+
+    result["notes"] = notes
+    result["duration_s"] = round(time.perf_counter() - t_start, 1)
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    (args.out_dir / "store.json").write_text(json.dumps(result, indent=2) + "\n")
+    plot(result, args.out_dir / "store.png")
+
+    print(markdown(result))
+    idx = result.get("index_rebuild", {})
+    if "offline" in idx and "total_s" in idx["offline"]:
+        o = idx["offline"]
+        print(f"\nindex_rebuild.py: {o['objects']} records: load {o['load_s']} s + rebuild "
+              f"{o['rebuild_s']} s = {o['total_s']} s")
+    if "daemon_restart" in idx:
+        d = idx["daemon_restart"]
+        print(f"daemon start (hello answered): empty {d['empty_start']['hello_s']} s; "
+              f"{d['populate']['files']} files after SIGKILL {d['after_sigkill']['hello_s']} s, "
+              f"after SIGTERM {d['after_sigterm']['hello_s']} s "
+              f"(populating took {d['populate']['create_s']} s + {d['populate']['drain_s']} s "
+              f"write-behind)")
+    for note in notes:
+        print(f"note: {note}")
+    print(f"\nrun took {result['duration_s']} s; wrote {args.out_dir / 'store.json'} and "
+          f"{args.out_dir / 'store.png'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,220 @@
+"""The connectors' exact syscall sequences (facts/posix-clients.md) on a real FUSE mount."""
+
+import errno
+import hashlib
+import mmap
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from support import MiB, pattern
+
+BLOCK = 32 * MiB
+
+
+def llmd_write(root, rel: str, data: bytes, tag: str) -> bool:
+    """llm-d FS backend store of one block. Returns False if it found the block present."""
+    dst = os.path.join(root, rel)
+    try:
+        os.close(os.open(dst, os.O_RDONLY))
+        _touch_atime(dst)   # dedup path: utimensat(dst, {UTIME_NOW, UTIME_OMIT})
+        return False
+    except FileNotFoundError:
+        pass
+    parent = os.path.dirname(dst)
+    parts = []
+    while not os.path.exists(parent):
+        parts.append(parent)
+        parent = os.path.dirname(parent)
+    for p in reversed(parts):
+        try:
+            os.mkdir(p, 0o777)
+        except FileExistsError:
+            pass                          # another thread won the race: must be EEXIST
+    tmp = f"{dst}_{tag}.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
+    try:
+        assert os.writev(fd, [data]) == len(data)
+        os.rename(tmp, dst)               # while the fd is still open
+    finally:
+        os.close(fd)                      # FLUSH/RELEASE arrive after the RENAME
+    return True
+
+
+def _touch_atime(path: str) -> None:
+    """utimensat(path, {UTIME_NOW, UTIME_OMIT}) through ctypes: Python's os.utime cannot say
+    UTIME_OMIT."""
+    import ctypes
+    libc = ctypes.CDLL(None, use_errno=True)
+
+    class Timespec(ctypes.Structure):
+        _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
+
+    utime_now, utime_omit = (1 << 30) - 1, (1 << 30) - 2
+    times = (Timespec * 2)(Timespec(0, utime_now), Timespec(0, utime_omit))
+    if libc.utimensat(-100, os.fsencode(path), times, 0) != 0:   # AT_FDCWD
+        raise OSError(ctypes.get_errno(), "utimensat")
+
+
+def llmd_read(root, rel: str) -> bytes:
+    fd = os.open(os.path.join(root, rel), os.O_RDONLY)
+    try:
+        size = os.lseek(fd, 0, os.SEEK_END)
+        os.lseek(fd, 0, os.SEEK_SET)
+        out = bytearray()
+        while len(out) < size:
+            chunk = os.read(fd, min(8 * MiB, size - len(out)))
+            if not chunk:
+                break
+            out += chunk
+        return bytes(out)
+    finally:
+        os.close(fd)
+
+
+def block_name(i: int) -> str:
+    h = hashlib.sha256(str(i).encode()).hexdigest()
+    return f"llama_abc123_r0/{h[:3]}/{h[3:5]}_g0/{h}.bin"
+
+
+def test_llmd_store_dedup_and_load_from_64_threads(mounted):
+    s = mounted(**{"tiers.dram.size": "1GiB", "tiers.nvme.size": "4GiB"})
+    root = str(s.mnt)
+    blocks = {block_name(i % 24): pattern(f"blk{i % 24}", 4 * MiB) for i in range(64)}
+    names = [block_name(i % 24) for i in range(64)]   # duplicates: dedup path and races
+
+    def store(i):
+        return llmd_write(root, names[i], blocks[names[i]], f"t{i}")
+
+    with ThreadPoolExecutor(64) as pool:
+        wrote = list(pool.map(store, range(64)))
+    assert sum(wrote) >= 24
+    with ThreadPoolExecutor(64) as pool:
+        got = list(pool.map(lambda i: llmd_read(root, names[i]), range(64)))
+    for i in range(64):
+        assert got[i] == blocks[names[i]]
+    leftovers = [f for _, _, fs in os.walk(root) for f in fs if f.endswith(".tmp")]
+    assert leftovers == []
+
+
+def test_llmd_32mib_block_round_trip_and_scheduler_lookups(mounted):
+    s = mounted()
+    root = str(s.mnt)
+    data = pattern("big", BLOCK)
+    assert llmd_write(root, block_name(1), data, "x")
+    assert llmd_read(root, block_name(1)) == data
+    # scheduler: os.path.exists per chunk until the first miss
+    assert os.path.exists(os.path.join(root, block_name(1)))
+    assert not os.path.exists(os.path.join(root, block_name(2)))
+    assert not llmd_write(root, block_name(1), data, "y")       # dedup
+
+
+def test_vllm_store_and_load_with_o_direct(mounted):
+    s = mounted()
+    root = str(s.mnt)
+    # vLLM's probe: O_CREAT|O_WRONLY|O_TRUNC|O_DIRECT, one page-aligned page
+    probe = os.path.join(root, "probe")
+    page = mmap.mmap(-1, 4096)
+    fd = os.open(probe, os.O_CREAT | os.O_WRONLY | os.O_TRUNC | os.O_DIRECT, 0o644)
+    assert os.write(fd, page) == 4096
+    os.close(fd)
+    os.unlink(probe)
+
+    data = pattern("vllm", 16 * MiB)
+    buf = mmap.mmap(-1, len(data))
+    buf[:] = data
+    dst = os.path.join(root, "m/ab/cd.bin")
+    assert not os.path.exists(dst)
+    os.makedirs(os.path.dirname(dst), exist_ok=True)
+    tmp = dst + ".tmp"
+    fd = os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_TRUNC | os.O_DIRECT, 0o644)
+    assert os.write(fd, buf) == len(data)
+    os.close(fd)
+    os.replace(tmp, dst)
+    with pytest.raises(FileExistsError):
+        os.open(dst, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+    out = mmap.mmap(-1, len(data))
+    fd = os.open(dst, os.O_RDONLY | os.O_DIRECT)
+    assert os.readv(fd, [out]) == len(data)
+    os.close(fd)
+    assert out[:] == data
+
+
+def test_several_processes_at_once(mounted):
+    import multiprocessing as mp
+    s = mounted(**{"tiers.dram.size": "1GiB"})
+    ctx = mp.get_context("fork")
+    with ctx.Pool(4) as pool:
+        results = pool.starmap(_process_worker, [(str(s.mnt), k) for k in range(4)])
+    assert all(results)
+
+
+def _process_worker(root: str, k: int) -> bool:
+    for i in range(6):
+        rel = block_name(100 + k * 10 + i)
+        data = pattern(f"p{k}-{i}", 2 * MiB)
+        llmd_write(root, rel, data, f"p{k}")
+        if llmd_read(root, rel) != data:
+            return False
+    return True
+
+
+def test_two_writers_of_one_name_leave_one_complete_version(mounted):
+    s = mounted()
+    root = str(s.mnt)
+    versions = [pattern(f"v{k}", 8 * MiB) for k in range(2)]
+    barrier = threading.Barrier(2)
+
+    def write(k):
+        barrier.wait()
+        for round_ in range(5):
+            dst = os.path.join(root, "same.bin")
+            fd = os.open(f"{dst}_{k}_{round_}.tmp", os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+            os.writev(fd, [versions[k]])
+            os.rename(f"{dst}_{k}_{round_}.tmp", dst)
+            os.close(fd)
+            assert llmd_read(root, "same.bin") in versions
+
+    threads = [threading.Thread(target=write, args=(k,)) for k in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert llmd_read(root, "same.bin") in versions
+
+
+def test_posix_rules_through_the_kernel(mounted):
+    s = mounted()
+    root = str(s.mnt)
+    os.mkdir(os.path.join(root, "d"))
+    with pytest.raises(FileExistsError):
+        os.mkdir(os.path.join(root, "d"))
+    with open(os.path.join(root, "d/f"), "wb") as f:
+        f.write(b"hello")
+    with pytest.raises(OSError) as e:
+        os.rmdir(os.path.join(root, "d"))
+    assert e.value.errno == errno.ENOTEMPTY
+    entries = {e.name: e for e in os.scandir(os.path.join(root, "d"))}
+    assert entries["f"].is_file() and entries["f"].stat().st_size == 5   # d_type + attrs
+    with pytest.raises(OSError) as e:
+        os.symlink("x", os.path.join(root, "l"))
+    assert e.value.errno == errno.EPERM
+    with pytest.raises(OSError) as e:
+        os.setxattr(os.path.join(root, "d/f"), "user.x", b"1")
+    assert e.value.errno == errno.ENOTSUP
+    with pytest.raises(OSError) as e:
+        open(os.path.join(root, "n" * 256), "wb")
+    assert e.value.errno == errno.ENAMETOOLONG
+    os.truncate(os.path.join(root, "d/f"), 2)
+    with open(os.path.join(root, "d/f"), "rb") as f:
+        assert f.read() == b"he"
+    st = os.statvfs(root)
+    assert st.f_blocks * st.f_frsize == 1 << 30 and st.f_namemax == 255
+    # unlink while open
+    fd = os.open(os.path.join(root, "d/f"), os.O_RDONLY)
+    os.unlink(os.path.join(root, "d/f"))
+    assert os.read(fd, 10) == b"he"
+    os.close(fd)
+    os.rmdir(os.path.join(root, "d"))
