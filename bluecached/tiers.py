@@ -382,13 +382,18 @@ class Tiers:
     # -- eviction by watermarks ------------------------------------------------------------
 
     def evict_to_watermarks(self) -> None:
-        while self.dram.used_bytes > self.dram_marks.low * self.dram.capacity:
-            if not self._evict_dram_one():
-                self.kick_writeback_all()
-                break
-        while self.nvme and self.nvme.used_bytes > self.nvme_marks.low * self.nvme.capacity:
-            if not self._evict_nvme_one():
-                break
+        """A tier above its high watermark is evicted down to its low one (hysteresis: a tier
+        between the two is left alone)."""
+        dram, nvme = self.dram, self.nvme
+        if dram.used_bytes > self.dram_marks.high * dram.capacity:
+            while dram.used_bytes > self.dram_marks.low * dram.capacity:
+                if not self._evict_dram_one():
+                    self.kick_writeback_all()
+                    break
+        if nvme and nvme.used_bytes > self.nvme_marks.high * nvme.capacity:
+            while nvme.used_bytes > self.nvme_marks.low * nvme.capacity:
+                if not self._evict_nvme_one():
+                    break
 
     async def evictor(self) -> None:
         while True:

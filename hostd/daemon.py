@@ -62,6 +62,7 @@ async def _follow_events(events_endpoint: str, keys, ops: Operations) -> None:
     def on_event(frames):
         try:
             _, fields = protocol.decode_event(frames)
+            log.debug("event: removed %s (%s)", fields.get("name"), fields.get("reason"))
             if fields.get("parent") is not None:
                 ops.forget_name(fields["parent"], fields["name"], fields["ino"])
         except (protocol.ProtocolError, KeyError, TypeError) as e:

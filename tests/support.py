@@ -416,3 +416,23 @@ def is_mounted(path: Path) -> bool:
 def force_unmount(path: Path) -> None:
     if is_mounted(path):
         subprocess.run(["umount", "-l", str(path)], check=False)
+
+
+def wait_settled(daemon: DaemonProcess, timeout: float = 60) -> dict:
+    """Waits until write-behind is done and eviction is quiet; returns the last stats."""
+    client = daemon.client()
+    try:
+        deadline = time.monotonic() + timeout
+        last = None
+        while time.monotonic() < deadline:
+            stats = client.call("stats")
+            key = (stats["dirty_bytes"], stats["tiers"].get("nvme", {}).get("bytes"),
+                   stats["tiers"]["dram"]["bytes"])
+            if stats["dirty_bytes"] == 0 and key == last:
+                time.sleep(0.3)      # let the last events reach hostd
+                return stats
+            last = key
+            time.sleep(0.2)
+        raise TimeoutError(f"cache did not settle: {stats}")
+    finally:
+        client.close()

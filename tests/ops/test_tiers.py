@@ -190,3 +190,20 @@ def test_write_through_persists_before_flush_returns(harness):
     run(main)
     h.reopen(clean=False)
     assert run(h.get, "/wt") == pattern("wt", 3 * MiB)
+
+
+def test_a_tier_between_its_watermarks_is_left_alone(harness):
+    """DRAM pressure must not make the evictor cut NVMe below its high watermark."""
+    h = harness(dram=8 * MiB, nvme=16 * MiB, segment=16 * MiB, marks=(0.5, 0.25),
+                nvme_marks=(0.9, 0.3))
+
+    async def main():
+        for i in range(3):                        # NVMe 12/16 MiB: above low, below high
+            await h.put(f"/k{i}", pattern(str(i), 4 * MiB))
+            await h.settle()
+        h.store.tiers.evict_to_watermarks()       # DRAM is above its high watermark
+        assert names(h) == {"k0", "k1", "k2"}
+        assert h.store.tiers.dram.used_bytes <= 2 * MiB
+
+    run(main)
+    h.check_consistency()

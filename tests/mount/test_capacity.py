@@ -1,0 +1,57 @@
+"""More written than the cache holds: writes keep succeeding, evicted files vanish from the
+mount (the kernel's caches are invalidated), present files read back exactly."""
+
+import os
+import time
+
+from support import MiB, pattern, wait_settled
+from test_posix_clients import block_name, llmd_read, llmd_write
+
+
+def test_eviction_through_the_mount(mounted):
+    s = mounted(allow_log=[], **{"tiers.dram.size": "32MiB", "tiers.nvme.size": "96MiB",
+                                 "tiers.nvme.segment_size": "32MiB",
+                                 "tiers.nvme.high_watermark": 0.9,
+                                 "tiers.nvme.low_watermark": 0.6})
+    root = str(s.mnt)
+    written = []
+    for i in range(40):                              # 320 MiB through 32 + 96 MiB
+        rel = block_name(i)
+        assert llmd_write(root, rel, pattern(str(i), 8 * MiB), "w")
+        written.append(rel)
+        assert os.path.exists(os.path.join(root, rel))  # the kernel saw it
+    wait_settled(s.daemon)                           # write-behind and eviction finish
+    present = [r for r in written if os.path.exists(os.path.join(root, r))]
+    gone = [r for r in written if r not in present]
+    assert gone and present
+    assert written[-1] in present
+    for rel in present:
+        assert llmd_read(root, rel) == pattern(str(written.index(rel)), 8 * MiB)
+    for rel in gone:                                  # a miss, never stale bytes
+        try:
+            llmd_read(root, rel)
+            raise AssertionError(f"{rel} was evicted but still readable")
+        except FileNotFoundError:
+            pass
+    st = os.statvfs(root)
+    used = (st.f_blocks - st.f_bfree) * st.f_frsize
+    assert st.f_blocks * st.f_frsize == 96 * MiB
+    assert 8 * MiB * len(present) - MiB <= used <= 96 * MiB
+
+
+def test_statfs_tracks_usage_and_atime_moves_on_read(mounted):
+    s = mounted(hostd_settings={"mount.attr_timeout": "0s"})
+    root = str(s.mnt)
+    before = os.statvfs(root)
+    path = os.path.join(root, "a.bin")
+    with open(path, "wb") as f:
+        f.write(pattern("a", 4 * MiB))
+    after = os.statvfs(root)
+    assert (before.f_bfree - after.f_bfree) * after.f_frsize == 4 * MiB
+    atime = os.stat(path).st_atime_ns
+    time.sleep(0.05)
+    with open(path, "rb") as f:
+        f.read(100)
+    assert os.stat(path).st_atime_ns > atime           # the file system keeps atime itself
+    os.unlink(path)
+    assert os.statvfs(root).f_bfree == before.f_bfree
