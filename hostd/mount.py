@@ -5,6 +5,7 @@ import errno
 import logging
 import os
 import subprocess
+import threading
 from pathlib import Path
 
 log = logging.getLogger("hostd.mount")
@@ -68,13 +69,36 @@ def clear_stale(mountpoint: Path) -> bool:
     top = entries[-1]
     if not top["fstype"].startswith("fuse") or top["source"] != FSNAME:
         raise MountError(f"{mountpoint} already has a {top['fstype']} mount of {top['source']}")
-    try:
-        os.stat(mountpoint)
-    except OSError as e:
-        if e.errno not in (errno.ENOTCONN, errno.ECONNABORTED, errno.EIO):
-            raise
-        log.warning("%s: clearing the mount a crashed hostd left (%s)", mountpoint,
-                    os.strerror(e.errno))
-        _detach(mountpoint)
-        return True
-    raise MountError(f"{mountpoint} is already served by a running hostd")
+    answer = _probe(mountpoint)
+    if answer is None:
+        raise MountError(f"{mountpoint} is a bluecache mount that does not answer within "
+                         f"{PROBE_TIMEOUT_S}s: is a hung hostd still running?")
+    if answer == 0:
+        raise MountError(f"{mountpoint} is already served by a running hostd")
+    if answer not in (errno.ENOTCONN, errno.ECONNABORTED, errno.EIO):
+        raise MountError(f"{mountpoint}: {os.strerror(answer)}")
+    log.warning("%s: clearing the mount a crashed hostd left (%s)", mountpoint,
+                os.strerror(answer))
+    _detach(mountpoint)
+    return True
+
+
+PROBE_TIMEOUT_S = 5
+
+
+def _probe(mountpoint: Path) -> int | None:
+    """Asks the mount's server something the kernel cannot answer from its caches (stat can
+    be): 0 if it answered, an errno if the kernel said the server is gone, None on no answer."""
+    result: list[int] = []
+
+    def probe():
+        try:
+            os.listdir(mountpoint)
+            result.append(0)
+        except OSError as e:
+            result.append(e.errno)
+
+    t = threading.Thread(target=probe, daemon=True)
+    t.start()
+    t.join(PROBE_TIMEOUT_S)
+    return result[0] if result else None

@@ -5,7 +5,7 @@ import os
 import time
 
 from support import MiB, pattern, wait_settled
-from test_posix_clients import block_name, llmd_read, llmd_write
+from connectors import block_name, llmd_read, llmd_write
 
 
 def test_eviction_through_the_mount(mounted):
