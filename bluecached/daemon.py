@@ -12,7 +12,6 @@ import signal
 import sys
 from pathlib import Path
 
-import sdnotify
 import trio
 import zmq
 
@@ -21,6 +20,7 @@ from .dma import RegionTable, make_engine
 from .dma.loopback import serve_regions
 from .dram import DramPool
 from .journal import Journal, JournalError
+from .notify import Notifier
 from .nvme import SegmentStore
 from .server import ControlServer
 from .store import Store
@@ -61,7 +61,7 @@ class Daemon:
     def __init__(self, cfg, config_path: Path | None):
         self.cfg = cfg
         self.config_path = config_path
-        self.notifier = sdnotify.SystemdNotifier()
+        self.notifier = Notifier()
         self.engine = make_engine(cfg.engine)
         self.regions = RegionTable(self.engine)
         self.store = build_store(cfg, self.engine)
@@ -227,10 +227,7 @@ class Daemon:
         watchdog = usec and int(os.environ.get("WATCHDOG_PID", os.getpid())) == os.getpid()
         interval = min(5.0, usec / 2e6) if watchdog else 5.0
         while True:
-            message = f"STATUS={self.summary()}"
-            if watchdog:
-                message += "\nWATCHDOG=1"
-            self.notifier.notify(message)
+            self.notifier.status(self.summary(), watchdog=bool(watchdog))
             await trio.sleep(interval)
 
     def reload(self) -> None:

@@ -13,12 +13,12 @@ import sys
 from pathlib import Path
 
 import pyfuse3
-import sdnotify
 import trio
 import zmq
 
 from bluecached import curve, protocol
 from bluecached.client import AsyncClient
+from bluecached.notify import Notifier
 from bluecached.zmqpump import SocketPump
 from fusefs import Operations, Timeouts
 
@@ -162,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
                         else "%(asctime)s %(levelname)s %(name)s: %(message)s")
     status = 0
     try:
-        trio.run(run, cfg, path, sdnotify.SystemdNotifier(), strict_exception_groups=True)
+        trio.run(run, cfg, path, Notifier(), strict_exception_groups=True)
     except* StartupError as group:
         for e in group.exceptions:
             log.error("cannot start: %s", e)

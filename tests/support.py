@@ -219,13 +219,14 @@ class DaemonProcess:
         self.log = root / "bluecached.log"
         self.notify_messages: list[str] = []
 
-    def start(self, timeout: float = 30) -> "DaemonProcess":
+    def start(self, timeout: float = 30, env: dict | None = None) -> "DaemonProcess":
         notify_path = self.root / "notify.sock"
         with contextlib.suppress(FileNotFoundError):
             notify_path.unlink()
         self._notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         self._notify.bind(str(notify_path))
-        env = dict(os.environ, NOTIFY_SOCKET=str(notify_path), PYTHONUNBUFFERED="1")
+        env = dict(os.environ, NOTIFY_SOCKET=str(notify_path), PYTHONUNBUFFERED="1",
+                   **(env or {}))
         with open(self.log, "ab") as log:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "bluecached.daemon", "--config", str(self.config)],
