@@ -187,7 +187,11 @@ class RegionChannel:
         return reply
 
     def register(self, region: SharedRegion) -> int:
-        return self._ask({"op": "register", "length": region.length}, [region.fd])["region"]
+        return self.register_fd(region.fd, region.length)
+
+    def register_fd(self, fd: int, length: int, kind: str = "memfd") -> int:
+        """Registers memory behind an fd (the daemon maps [0, length))."""
+        return self._ask({"op": "register", "length": length, "kind": kind}, [fd])["region"]
 
     def unregister(self, region_id: int) -> None:
         self._ask({"op": "unregister", "region": region_id})

@@ -43,6 +43,8 @@ OPS: dict[str, tuple[dict, dict]] = {
     "open": ({"ino": U64, "flags": U32}, {}),
     "read": (_TRANSFER, {}),
     "write": (_TRANSFER, {}),
+    "store": ({"fh": U64, "length": U64, "region": U64, "region_offset": U64}, {}),
+    "query": ({"fh": U64}, {}),
     "flush": ({"fh": U64}, {}),
     "release": ({"fh": U64}, {}),
     "unlink": (_PARENT_NAME, {}),
@@ -106,7 +108,9 @@ def _unpack(frame: bytes, max_bytes: int):
         return msgpack.unpackb(frame, raw=False, strict_map_key=False,
                                max_bin_len=max_bytes, max_str_len=max_bytes,
                                max_array_len=1024, max_map_len=64)
-    except (ValueError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError) as e:
+    except (ValueError, TypeError, msgpack.ExtraData, msgpack.FormatError,
+            msgpack.StackError) as e:
+        # TypeError: a map whose key is a map or a list (unhashable)
         raise ProtocolError(errno.EBADMSG, f"undecodable message: {e}") from None
 
 

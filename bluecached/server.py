@@ -73,6 +73,11 @@ class ControlServer:
             log.warning("bad control message (%d bytes): %s", len(frame), e)
             self._reply(identity, protocol.encode_error(e.request_id, e.errno, str(e)))
             return
+        except Exception:  # a decoder bug must cost one message, not the daemon
+            self.bad_messages += 1
+            log.exception("decoding a control message of %d bytes failed", len(frame))
+            self._reply(identity, protocol.encode_error(None, errno.EBADMSG, "undecodable"))
+            return
         self.requests += 1
         self._nursery.start_soon(self._serve, identity, request)
 
@@ -184,6 +189,18 @@ class ControlServer:
 
     async def op_write(self, session, **args) -> dict:
         return await self._transfer(self.store.write, **args)
+
+    async def op_store(self, session, fh, length, region, region_offset) -> dict:
+        reg = self.regions.acquire(region, region_offset, length)
+        try:
+            n = await self.store.replace(fh, length, reg, region_offset)
+        finally:
+            self.regions.done(reg)
+        return {"length": n, "size": n}
+
+    async def op_query(self, session, fh) -> dict:
+        crc, node = await self.store.checksum(fh)
+        return {"size": node.size, "tier": self.store.tier_of(node), "crc32c": crc}
 
     async def op_flush(self, session, fh) -> dict:
         await self.store.flush(fh)

@@ -11,6 +11,7 @@ import stat
 import time
 from dataclasses import dataclass
 
+import crc32c
 import trio
 
 from . import index
@@ -31,6 +32,13 @@ class Handle:
     node: Inode
     writable: bool
     session: int
+
+
+def _crc_of(parts) -> int:
+    crc = 0
+    for part in parts:
+        crc = crc32c.crc32c(part, crc)
+    return crc
 
 
 def _writable(flags: int) -> bool:
@@ -323,6 +331,52 @@ class Store:
             node.mtime_ns = node.ctime_ns = self.clock()
             obj.version += 1
         return length
+
+    async def replace(self, fh: int, length: int, region, region_offset: int) -> int:
+        """The zero-copy STORE: the file's content becomes `length` bytes of the region, all at
+        once. The bytes go into fresh chunks first; readers see the old content or the new,
+        never a mix (chunks they are copying from are returned only when they finish)."""
+        handle = self._handle(fh)
+        if not handle.writable:
+            raise FsError(errno.EBADF, "handle is not open for writing")
+        if length > MAX_FILE_SIZE:
+            raise FsError(errno.EFBIG)
+        node = handle.node
+        obj = node.obj
+        chunks = await self.tiers.take_chunks(chunk_count(length), zero=False)
+        try:
+            if length:
+                await self.engine.to_store(region, region_offset, views(chunks, 0, length))
+        except BaseException:
+            for c in chunks:
+                self.tiers.dram.give(c)
+            raise
+        tail = length % CHUNK_SIZE
+        if tail:
+            chunks[-1][tail:] = bytes(CHUNK_SIZE - tail)  # past EOF reads as zeros
+        async with obj.content_lock():
+            self.tiers.begin_modify(node)
+            old, obj.chunks = obj.chunks, chunks
+            if old is not None:
+                self.tiers.give_chunks(obj, old)
+            self.tiers.mark_resident(node)
+            self._set_size(node, length)
+            node.mtime_ns = node.ctime_ns = self.clock()
+            obj.version += 1
+        return length
+
+    async def checksum(self, fh: int) -> tuple[int, Inode]:
+        """CRC32C of the whole content (QUERY), and the inode it describes."""
+        node = self._handle(fh).node
+        obj = node.obj
+        async with obj.content_lock():
+            if obj.chunks is None:
+                await self.tiers.promote(node)
+            self.tiers.pin(obj)
+        try:
+            return await trio.to_thread.run_sync(_crc_of, views(obj.chunks, 0, node.size)), node
+        finally:
+            self.tiers.unpin(obj)
 
     async def flush(self, fh: int) -> None:
         node = self._handle(fh).node

@@ -47,7 +47,7 @@ class Harness:
         self.engine = LoopbackEngine()
         self.regions = RegionTable(self.engine)
         self.shm = SharedRegion(region_size)
-        self.region = self.regions.add(self.engine.register((self.shm.fd, region_size)))
+        self.region = self.regions.add(self.engine.register(("memfd", self.shm.fd, region_size)))
         self.events: list[tuple[str, dict]] = []
         self.store = self._open()
 

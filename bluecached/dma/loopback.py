@@ -26,22 +26,30 @@ class LoopbackEngine(DmaEngine):
     name = "loopback"
 
     def register(self, source, owner=None) -> Region:
-        """source: (fd, length). The fd is the caller's to close."""
-        fd, length = source
-        if not 0 < length <= MAX_REGION or length % mmap.PAGESIZE:
-            raise DmaError(errno.EINVAL, f"region length {length} must be a positive multiple "
-                                         f"of {mmap.PAGESIZE}")
+        """source: (kind, fd, length) with kind "memfd" or "dmabuf". The fd is the caller's
+        to close: the mapping keeps the memory."""
+        kind, fd, length = source
+        if not 0 < length <= MAX_REGION:
+            raise DmaError(errno.EINVAL, f"region length {length} is out of range")
         try:
-            seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
             size = os.fstat(fd).st_size
+            if kind == "memfd":
+                seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+                if not seals & fcntl.F_SEAL_SHRINK:
+                    raise DmaError(errno.EINVAL, "region memfd must be sealed with F_SEAL_SHRINK")
+            elif kind != "dmabuf":
+                raise DmaError(errno.EOPNOTSUPP, f"the loopback engine cannot map {kind!r} memory")
         except OSError as e:
+            if isinstance(e, DmaError):
+                raise
             raise DmaError(errno.EBADF, f"region fd is not a sealable memfd: {e.strerror}") from None
-        if not seals & fcntl.F_SEAL_SHRINK:
-            raise DmaError(errno.EINVAL, "region memfd must be sealed with F_SEAL_SHRINK")
-        if size < length:
+        if kind == "memfd" and size < length:
             raise DmaError(errno.EINVAL, f"region memfd holds {size} bytes, {length} claimed")
-        mapping = mmap.mmap(fd, length, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-        return Region(length, "memfd", (mapping, memoryview(mapping)), owner)
+        try:
+            mapping = mmap.mmap(fd, length, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        except OSError as e:  # e.g. a GPU dma-buf: only the DOCA engine can import that
+            raise DmaError(errno.EOPNOTSUPP, f"cannot map this {kind}: {e.strerror}") from None
+        return Region(length, kind, (mapping, memoryview(mapping)), owner)
 
     def release(self, region: Region) -> None:
         mapping, view = region.handle
@@ -109,9 +117,10 @@ def _handle(table, owner, data: bytes, fds: list[int]) -> dict:
             raise DmaError(errno.EBADMSG, "region request is not a map")
         op = msg.get("op")
         if op == "register":
-            if len(fds) != 1 or type(msg.get("length")) is not int:
-                raise DmaError(errno.EINVAL, "register takes one fd and an integer length")
-            region = table.add(table.engine.register((fds[0], msg["length"]), owner))
+            kind = msg.get("kind", "memfd")
+            if len(fds) != 1 or type(msg.get("length")) is not int or type(kind) is not str:
+                raise DmaError(errno.EINVAL, "register takes one fd, an integer length and a kind")
+            region = table.add(table.engine.register((kind, fds[0], msg["length"]), owner))
             return {"ok": True, "region": region.id, "length": region.length}
         if op == "unregister" and type(msg.get("region")) is int:
             table.remove(msg["region"], owner)
@@ -119,7 +128,8 @@ def _handle(table, owner, data: bytes, fds: list[int]) -> dict:
         raise DmaError(errno.EINVAL, f"unknown region request {op!r}")
     except DmaError as e:
         return {"ok": False, "errno": e.errno, "error": e.strerror}
-    except (ValueError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError) as e:
+    except (ValueError, TypeError, msgpack.ExtraData, msgpack.FormatError,
+            msgpack.StackError) as e:
         return {"ok": False, "errno": errno.EBADMSG, "error": f"undecodable request: {e}"}
 
 

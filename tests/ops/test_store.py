@@ -135,3 +135,27 @@ def test_checksum_mismatch_on_nvme_gives_eio_and_removes(harness):
     assert ("removed", {"ino": ino, "parent": h.store.ns.resolve("/x").ino,
                         "name": b"victim.bin", "reason": "checksum mismatch"}) in h.events
     h.check_consistency()
+
+
+def test_replace_swaps_content_atomically_under_a_reader(harness):
+    h = harness()
+
+    async def main():
+        await h.put("/r", pattern("old", 3 * MiB))
+        node = h.store.ns.resolve("/r")
+        reader = await h.store.open(node.ino, os.O_RDONLY)
+        writer = await h.store.open(node.ino, os.O_WRONLY)
+        h.shm.view[:2 * MiB + 5] = pattern("new", 2 * MiB + 5)
+        assert await h.store.replace(writer.fh, 2 * MiB + 5, h.region, 0) == 2 * MiB + 5
+        assert await h.read(reader.fh, 0, 4 * MiB) == pattern("new", 2 * MiB + 5)
+        crc, _ = await h.store.checksum(reader.fh)
+        import crc32c
+        assert crc == crc32c.crc32c(pattern("new", 2 * MiB + 5))
+        with pytest.raises(FsError) as e:
+            await h.store.replace(reader.fh, 1, h.region, 0)
+        assert e.value.errno == errno.EBADF
+        h.store.release(reader.fh)
+        h.store.release(writer.fh)
+
+    run(main)
+    h.check_consistency()

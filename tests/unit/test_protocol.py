@@ -13,7 +13,8 @@ from bluecached.protocol import ProtocolError, decode_request, encode_request
 
 def test_round_trip_of_every_operation():
     sample = {protocol.U64: 7, protocol.U32: 5, protocol.I64: -3, protocol.BYTES: b"n\xff",
-              protocol.STR: "s", protocol.BOOL: True, protocol.U32_LIST: [1]}
+              protocol.STR: "s", protocol.BOOL: True, protocol.U32_LIST: [1],
+              protocol.U64_LIST: [1 << 40]}
     for op, (required, optional) in protocol.OPS.items():
         args = {k: sample[t] for k, t in {**required, **optional}.items()}
         req = decode_request(encode_request(42, op, args))
@@ -23,6 +24,7 @@ def test_round_trip_of_every_operation():
 @pytest.mark.parametrize("frame,err,has_id", [
     (b"", errno.EBADMSG, False),
     (b"\xc1", errno.EBADMSG, False),                                    # never-used byte
+    (b"\x81\x80\x00", errno.EBADMSG, False),                          # {{}: 0}: unhashable key
     (msgpack.packb([1, 2]), errno.EBADMSG, False),                      # not a map
     (msgpack.packb({"v": 1, "op": "ping"}), errno.EBADMSG, False),      # no id
     (msgpack.packb({"v": 1, "id": -1, "op": "ping"}), errno.EBADMSG, False),

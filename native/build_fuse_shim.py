@@ -1,0 +1,59 @@
+"""cffi builder of hostd._fuse_shim (API mode: compiled against libfuse 3's headers).
+
+Built by `pip install` (setup.py's cffi_modules) where libfuse3-dev and pkg-config are
+installed. See fuse_ioctl_shim.c for why it exists.
+"""
+
+import os
+import shlex
+import subprocess
+
+from cffi import FFI
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def _pkg_config(*args: str) -> list[str]:
+    try:
+        out = subprocess.run(["pkg-config", *args, "fuse3"], capture_output=True, text=True,
+                             check=True).stdout
+    except (OSError, subprocess.CalledProcessError) as e:
+        raise RuntimeError("libfuse 3 development files not found (apt-get install "
+                           "libfuse3-dev pkg-config)") from e
+    return shlex.split(out)
+
+
+ffi = FFI()
+ffi.cdef("""
+typedef uint64_t fuse_ino_t;
+typedef struct fuse_req *fuse_req_t;
+typedef int... uid_t;
+typedef int... gid_t;
+typedef int... pid_t;
+struct fuse_ctx { uid_t uid; gid_t gid; pid_t pid; ...; };
+const struct fuse_ctx *fuse_req_ctx(fuse_req_t req);
+int fuse_reply_ioctl(fuse_req_t req, int result, const void *buf, size_t size);
+int fuse_reply_err(fuse_req_t req, int err);
+int fuse_version(void);
+int bc_shim_state(void);
+extern "Python" void bc_ioctl_to_python(fuse_req_t req, fuse_ino_t ino, unsigned int cmd,
+                                        uint64_t fh, unsigned flags, const void *in_buf,
+                                        size_t in_bufsz, size_t out_bufsz);
+""")
+
+with open(os.path.join(HERE, "fuse_ioctl_shim.c")) as f:
+    _shim = f.read()
+
+ffi.set_source(
+    "hostd._fuse_shim",
+    "#define FUSE_USE_VERSION 35\n#define _GNU_SOURCE\n#include <dlfcn.h>\n#include <string.h>\n"
+    "#include <fuse_lowlevel.h>\n"
+    "static void bc_ioctl_to_python(fuse_req_t, fuse_ino_t, unsigned int, uint64_t, unsigned,"
+    " const void *, size_t, size_t);\n" + _shim,
+    extra_compile_args=_pkg_config("--cflags"),
+    extra_link_args=_pkg_config("--libs")
+    + [f"-Wl,--version-script={os.path.join(HERE, 'fuse_ioctl_shim.map')}", "-ldl"],
+)
+
+if __name__ == "__main__":
+    ffi.compile(verbose=True)
