@@ -12,19 +12,23 @@ import signal
 import sys
 from pathlib import Path
 
-import pyfuse3
-import trio
-import zmq
+from . import ioctl  # first: the ioctl shim must be loaded before pyfuse3 (see load_shim)
 
-from bluecached import curve, protocol
-from bluecached.client import AsyncClient
-from bluecached.notify import Notifier
-from bluecached.zmqpump import SocketPump
-from fusefs import Operations, Timeouts
+SHIM, SHIM_PROBLEM = ioctl.load_shim()
 
-from . import config
-from .link import DaemonLink
-from .mount import FSNAME, MountError, clear_stale, unmount
+import pyfuse3  # noqa: E402
+import trio  # noqa: E402
+import zmq  # noqa: E402
+
+from bluecached import curve, protocol  # noqa: E402
+from bluecached.client import AsyncClient  # noqa: E402
+from bluecached.notify import Notifier  # noqa: E402
+from bluecached.zmqpump import SocketPump  # noqa: E402
+from fusefs import Operations, Timeouts  # noqa: E402
+
+from . import config  # noqa: E402
+from .link import DaemonLink  # noqa: E402
+from .mount import FSNAME, MountError, clear_stale, unmount  # noqa: E402
 
 log = logging.getLogger("hostd")
 UNMOUNT_DRAIN_S = 10
@@ -91,6 +95,7 @@ async def run(cfg, path: Path | None, notifier) -> None:
                 raise StartupError(f"bluecached does not answer at {control} (waited "
                                    f"{cfg.daemon.request_timeout:g}s): is it running?") from None
             nursery.start_soon(link.watch)
+            nursery.start_soon(link.forward_releases)
             nursery.start_soon(_follow_events, events, keys, ops)
             try:
                 clear_stale(mountpoint)
@@ -104,6 +109,12 @@ async def run(cfg, path: Path | None, notifier) -> None:
                 pyfuse3.init(ops, str(mountpoint), options)
             except RuntimeError as e:
                 raise StartupError(f"cannot mount {mountpoint}: {e}") from None
+            if SHIM is not None:
+                ioctls = ioctl.IoctlServer(SHIM, link)
+                await nursery.start(ioctls.run)
+                log.info("zero-copy %s", ioctls.state())
+            else:
+                log.warning("zero-copy ioctl unavailable (%s); the POSIX path works", SHIM_PROBLEM)
             fuse_done = trio.Event()
 
             async def serve_fuse():

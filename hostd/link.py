@@ -81,6 +81,9 @@ class DaemonLink:
         self._lost = trio.Event()
         self._files: dict[int, OpenFile] = {}
         self._next_fh = 1
+        # RELEASE is answered at once and forwarded by a task: close(2) returned long ago,
+        # and an answer still owed when the mount goes away would be an error in the log.
+        self._releases_send, self._releases = trio.open_memory_channel(float("inf"))
 
     # -- connection ------------------------------------------------------------------------
 
@@ -178,7 +181,10 @@ class DaemonLink:
                                    daemon_fh, self.generation)
         return fh
 
-    async def _daemon_fh(self, fh: int) -> int:
+    def open_file(self, fh: int) -> OpenFile | None:
+        return self._files.get(fh)
+
+    async def daemon_fh(self, fh: int) -> int:
         f = self._files.get(fh)
         if f is None:
             raise RemoteError(errno.EBADF, f"no open file {fh}")
@@ -218,7 +224,7 @@ class DaemonLink:
             piece = min(size, SLOT_SIZE)
             slot = await self.staging.take()
             try:
-                n = (await self.call("read", fh=await self._daemon_fh(fh), offset=offset,
+                n = (await self.call("read", fh=await self.daemon_fh(fh), offset=offset,
                                      length=piece, region=self.staging.region_id,
                                      region_offset=slot * SLOT_SIZE))["length"]
                 view = self.staging.view(slot, n)
@@ -247,7 +253,7 @@ class DaemonLink:
             try:
                 self.staging.view(slot, len(piece))[:] = piece
                 self.bytes_copied += len(piece)
-                await self.call("write", fh=await self._daemon_fh(fh), offset=offset + done,
+                await self.call("write", fh=await self.daemon_fh(fh), offset=offset + done,
                                 length=len(piece), region=self.staging.region_id,
                                 region_offset=slot * SLOT_SIZE)
             finally:
@@ -256,16 +262,22 @@ class DaemonLink:
         return done
 
     async def flush(self, fh) -> None:
-        await self.call("flush", fh=await self._daemon_fh(fh))
+        await self.call("flush", fh=await self.daemon_fh(fh))
 
     async def release(self, fh) -> None:
         f = self._files.pop(fh, None)
-        if f is not None and f.generation == self.generation:
+        if f is not None:
+            self._releases_send.send_nowait(f)
+
+    async def forward_releases(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        task_status.started()
+        async for f in self._releases:
+            if f.generation != self.generation:
+                continue  # the daemon restarted: that handle is gone already
             try:
                 await self.call("release", fh=f.daemon_fh)
             except RemoteError as e:
-                if e.errno not in (errno.EBADF, errno.EIO):
-                    raise
+                log.warning("release of inode %d not delivered: %s", f.ino, e)
 
     async def unlink(self, parent, name) -> None:
         await self.call("unlink", parent=parent, name=name)

@@ -1,0 +1,259 @@
+"""The zero-copy ioctl: STORE, LOAD and QUERY on files of the mount (include/bluecache_ioctl.h).
+
+pyfuse3 has no ioctl handler; native/fuse_ioctl_shim.c adds one (see there) and calls
+`bc_ioctl_to_python` for each request, inside pyfuse3's request loop. That callback copies the
+fixed-size request struct and starts a task; the task validates everything, takes the caller's
+fd with pidfd_getfd, registers the memory with the daemon's DMA engine and asks the daemon to
+move the bytes. hostd never touches the payload.
+"""
+
+import ctypes
+import errno
+import fcntl
+import logging
+import os
+import stat
+import sys
+
+import trio
+
+from bluecached.client import RegionChannel, RemoteError
+
+from . import ioctl_abi as abi
+
+log = logging.getLogger("hostd.ioctl")
+
+_SYS_PIDFD_GETFD = 438   # the same number on x86_64 and arm64 (asm-generic)
+_libc = ctypes.CDLL(None, use_errno=True)
+MAX_SPAN = 1 << 62       # offsets and lengths beyond this are nonsense (and overflow-prone)
+FUSE_IOCTL_DIR = 1 << 4  # the ioctl was made on a directory
+
+
+class IoctlError(OSError):
+    def __init__(self, err: int, why: str):
+        super().__init__(err, why)
+
+
+def load_shim():
+    """Loads the shim before pyfuse3 so that pyfuse3's fuse_session_new resolves to it.
+    Returns (module, None) or (None, reason)."""
+    if "pyfuse3" in sys.modules:
+        return None, "pyfuse3 was imported before the ioctl shim"
+    flags = sys.getdlopenflags()
+    sys.setdlopenflags(flags | os.RTLD_GLOBAL)
+    try:
+        from . import _fuse_shim
+    except ImportError as e:
+        return None, f"the ioctl shim is not built ({e}); reinstall with libfuse3-dev present"
+    finally:
+        sys.setdlopenflags(flags)
+    return _fuse_shim, None
+
+
+def take_fd(pid: int, fd: int) -> int:
+    """A duplicate of the caller's fd `fd` (pidfd_getfd). The caller can only name its own."""
+    if fd < 0:
+        raise IoctlError(errno.EBADF, f"fd {fd} is not a file descriptor")
+    try:  # FUSE reports the calling thread; pidfd_open wants its process
+        with open(f"/proc/{pid}/status") as f:
+            tgid = next(int(line.split()[1]) for line in f if line.startswith("Tgid:"))
+        pidfd = os.pidfd_open(tgid)
+    except (OSError, StopIteration) as e:
+        raise IoctlError(errno.EPERM, f"cannot reach the calling process {pid}: {e}") from None
+    try:
+        dup = _libc.syscall(_SYS_PIDFD_GETFD, pidfd, fd, 0)
+        if dup < 0:
+            err = ctypes.get_errno()
+            raise IoctlError(err if err == errno.EBADF else errno.EPERM,
+                             f"pidfd_getfd({pid}, {fd}): {os.strerror(err)}")
+        return dup
+    finally:
+        os.close(pidfd)
+
+
+def check_memory(fd: int, kind: int, offset: int, length: int) -> None:
+    """The caller's memory must be of the kind it claims and hold the whole span.
+
+    The kind is checked first with calls that never reach a file system (F_GET_SEALS, the fd's
+    /proc link): an fd naming a file of this very mount must not make hostd ask itself a
+    question (fstat would send GETATTR to the thread that is busy asking)."""
+    if kind == abi.MEM_MEMFD:
+        try:
+            seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+        except OSError:
+            raise IoctlError(errno.EINVAL, "MEMFD: the fd is not a memfd") from None
+        if not seals & fcntl.F_SEAL_SHRINK:
+            raise IoctlError(errno.EINVAL, "MEMFD: seal it with F_SEAL_SHRINK first")
+        st = os.fstat(fd)   # shmem: answered by the kernel
+        if not stat.S_ISREG(st.st_mode):
+            raise IoctlError(errno.EINVAL, "MEMFD: the fd is not a regular memfd")
+        if offset + length > st.st_size:
+            raise IoctlError(errno.EFAULT, f"span {offset}+{length} is beyond the memfd's "
+                                           f"{st.st_size} bytes")
+    elif kind == abi.MEM_DMABUF:
+        if not os.readlink(f"/proc/self/fd/{fd}").startswith("anon_inode:dmabuf"):
+            raise IoctlError(errno.EINVAL, "DMABUF: the fd is not a dma-buf")
+
+
+def take_memory(pid: int, fd: int, kind: int, offset: int, length: int) -> int:
+    """take_fd + check_memory; runs in a worker thread, off the FUSE loop."""
+    dup = take_fd(pid, fd)
+    try:
+        check_memory(dup, kind, offset, length)
+    except BaseException:
+        os.close(dup)
+        raise
+    return dup
+
+
+class IoctlServer:
+    def __init__(self, shim, link):
+        self.shim = shim
+        self.link = link
+        self.requests = 0
+        self.zero_copy_bytes = 0
+        self._nursery: trio.Nursery | None = None
+        ffi = shim.ffi
+
+        @ffi.def_extern()
+        def bc_ioctl_to_python(req, ino, cmd, fh, flags, in_buf, in_bufsz, out_bufsz):
+            # Runs inside pyfuse3's loop, on the trio thread: start a task, never block.
+            try:
+                ctx = shim.lib.fuse_req_ctx(req)
+                request = bytes(ffi.buffer(in_buf, in_bufsz)) if in_bufsz else b""
+                self._nursery.start_soon(self._serve, req, cmd, fh, flags, request, ctx.pid,
+                                         out_bufsz)
+            except BaseException:  # noqa: BLE001 - nothing may escape into C
+                log.exception("ioctl dispatch failed")
+                shim.lib.fuse_reply_err(req, errno.EIO)
+
+    def state(self) -> str:
+        state = self.shim.lib.bc_shim_state()
+        if state == 1:
+            return "ioctl available"
+        version = self.shim.lib.fuse_version()
+        if state == -1:
+            return f"ioctl unavailable: libfuse {version}'s operations table is newer than the shim's"
+        return (f"ioctl unavailable: libfuse {version} did not call the shim's "
+                "fuse_session_new@FUSE_3.0 (libfuse >= 3.17 needs another approach)")
+
+    async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        async with trio.open_nursery() as nursery:
+            self._nursery = nursery
+            task_status.started()
+            await trio.sleep_forever()
+
+    async def _serve(self, req, cmd: int, fh: int, flags: int, request: bytes, pid: int,
+                     out_size: int) -> None:
+        lib = self.shim.lib
+        if cmd not in (abi.IOC_STORE, abi.IOC_LOAD, abi.IOC_QUERY) or flags & FUSE_IOCTL_DIR:
+            # Not ours (e.g. the TCGETS every buffered open() sends), or on a directory.
+            lib.fuse_reply_err(req, errno.ENOTTY)
+            return
+        self.requests += 1
+        try:
+            if cmd in (abi.IOC_STORE, abi.IOC_LOAD):
+                reply = await self._transfer(cmd, fh, request, pid)
+            else:
+                reply = await self._query(fh, request)
+        except IoctlError as e:
+            log.info("ioctl %#x from pid %d refused: %s", cmd, pid, e.strerror)
+            lib.fuse_reply_err(req, e.errno)
+        except RemoteError as e:
+            # The daemon's errno, except those that mean nothing to the caller.
+            err = errno.EIO if e.errno in (errno.ETIMEDOUT, errno.EPROTO, errno.ECONNRESET) \
+                else e.errno
+            log.info("ioctl %#x from pid %d failed in bluecached: %s", cmd, pid, e.strerror)
+            lib.fuse_reply_err(req, err)
+        except Exception:
+            log.exception("ioctl %#x from pid %d", cmd, pid)
+            lib.fuse_reply_err(req, errno.EIO)
+        else:
+            lib.fuse_reply_ioctl(req, 0, reply, min(len(reply), out_size))
+
+    @staticmethod
+    def _parse(request: bytes, layout, cls):
+        if len(request) != layout.size:
+            raise IoctlError(errno.EINVAL, f"request of {len(request)} bytes, expected "
+                                           f"{layout.size}")
+        parsed = cls.unpack(request)
+        if parsed.version != abi.VERSION:
+            raise IoctlError(errno.EINVAL, f"ABI version {parsed.version}, hostd speaks "
+                                           f"{abi.VERSION}")
+        if parsed.struct_size != layout.size:
+            raise IoctlError(errno.EINVAL, f"struct_size {parsed.struct_size}, expected "
+                                           f"{layout.size}")
+        if any(parsed.reserved):
+            raise IoctlError(errno.EINVAL, "reserved bytes must be zero")
+        return parsed
+
+    async def _transfer(self, cmd: int, fh: int, request: bytes, pid: int) -> bytes:
+        x = self._parse(request, abi.XFER, abi.Xfer)
+        store = cmd == abi.IOC_STORE
+        if x.flags:
+            raise IoctlError(errno.EINVAL, f"unknown flags {x.flags:#x}")
+        if x.mem_kind not in abi.MEM_KINDS:
+            raise IoctlError(errno.EINVAL, f"unknown memory kind {x.mem_kind}")
+        if max(x.mem_offset, x.length, x.file_offset) >= MAX_SPAN or \
+                x.mem_offset + x.length >= MAX_SPAN:
+            raise IoctlError(errno.EINVAL, "offset or length out of range")
+        if store and x.file_offset:
+            raise IoctlError(errno.EINVAL, "STORE replaces the whole content: file_offset 0")
+        if x.mem_kind == abi.MEM_CUDA_IPC:
+            raise IoctlError(errno.EOPNOTSUPP, "CUDA IPC memory needs the CUDA-capable engine "
+                                               "(not in this build)")
+        open_file = self.link.open_file(fh)
+        if open_file is None:
+            raise IoctlError(errno.EBADF, "not an open file of this mount")
+        writable = (open_file.flags & os.O_ACCMODE) in (os.O_WRONLY, os.O_RDWR)
+        readable = (open_file.flags & os.O_ACCMODE) in (os.O_RDONLY, os.O_RDWR)
+        if store and not writable or not store and not readable:
+            raise IoctlError(errno.EBADF, "the file is not open for " +
+                             ("writing" if store else "reading"))
+        if x.length == 0:
+            moved = 0
+            if store:
+                await self.link.setattr(open_file.ino, size=0)
+            size = (await self.link.getattr(open_file.ino)).size
+        else:
+            fd = await trio.to_thread.run_sync(take_memory, pid, x.fd, x.mem_kind,
+                                               x.mem_offset, x.length)
+            try:
+                moved, size = await self._move(store, fh, fd, x)
+            finally:
+                os.close(fd)
+        self.zero_copy_bytes += moved
+        x.result_length, x.file_size = moved, size
+        return x.pack()
+
+    async def _move(self, store: bool, fh: int, fd: int, x) -> tuple[int, int]:
+        if self.link.regions_path is None:
+            raise IoctlError(errno.EOPNOTSUPP, "this engine cannot map host memfds")
+        span = x.mem_offset + x.length
+        kind = abi.MEM_KINDS[x.mem_kind]
+        # A connection of its own: the region dies with it, whatever happens here.
+        channel = await trio.to_thread.run_sync(RegionChannel, self.link.regions_path)
+        try:
+            region = await trio.to_thread.run_sync(channel.register_fd, fd, span, kind)
+            daemon_fh = await self.link.daemon_fh(fh)
+            if store:
+                r = await self.link.call("store", fh=daemon_fh, length=x.length, region=region,
+                                         region_offset=x.mem_offset)
+                return r["length"], r["size"]
+            r = await self.link.call("read", fh=daemon_fh, offset=x.file_offset,
+                                     length=x.length, region=region,
+                                     region_offset=x.mem_offset)
+            size = (await self.link.getattr(self.link.open_file(fh).ino)).size
+            return r["length"], size
+        finally:
+            channel.close()
+
+    async def _query(self, fh: int, request: bytes) -> bytes:
+        q = self._parse(request, abi.QUERY, abi.Query)
+        r = await self.link.call("query", fh=await self.link.daemon_fh(fh))
+        tiers = r["tier"].split("+")
+        q.file_size, q.crc32c = r["size"], r["crc32c"]
+        q.tiers = (abi.TIER_DRAM if "dram" in tiers else 0) | \
+                  (abi.TIER_NVME if "nvme" in tiers else 0)
+        q.hostd_bytes_copied, q.zero_copy_bytes = self.link.bytes_copied, self.zero_copy_bytes
+        return q.pack()
