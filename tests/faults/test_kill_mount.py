@@ -11,7 +11,7 @@ import pytest
 from support import HostdProcess, MiB, is_mounted, pattern, wait_settled
 from connectors import block_name, llmd_read, llmd_write
 
-DAEMON_GONE = ["lost bluecached", "-> EIO", "index: "]
+DAEMON_GONE = ["lost bluecached", "-> EIO", "index: ", "not delivered"]
 
 
 def test_sigkill_bluecached_under_writers_then_recover(mounted):
