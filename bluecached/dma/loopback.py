@@ -20,6 +20,7 @@ import trio
 from .engine import DmaEngine, DmaError, Region
 
 MAX_REGION = 1 << 40
+POPULATE_LIMIT = 256 << 20
 
 
 class LoopbackEngine(DmaEngine):
@@ -46,7 +47,12 @@ class LoopbackEngine(DmaEngine):
         if kind == "memfd" and size < length:
             raise DmaError(errno.EINVAL, f"region memfd holds {size} bytes, {length} claimed")
         try:
-            mapping = mmap.mmap(fd, length, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            # MAP_POPULATE: one pass of page-table setup instead of a fault per page on the
+            # first copy (a 32 MiB block is 8192 faults). Not for huge regions: populating
+            # would allocate every page of a sparse memfd.
+            populate = mmap.MAP_POPULATE if length <= POPULATE_LIMIT else 0
+            mapping = mmap.mmap(fd, length, mmap.MAP_SHARED | populate,
+                                mmap.PROT_READ | mmap.PROT_WRITE)
         except OSError as e:  # e.g. a GPU dma-buf: only the DOCA engine can import that
             raise DmaError(errno.EOPNOTSUPP, f"cannot map this {kind}: {e.strerror}") from None
         return Region(length, kind, (mapping, memoryview(mapping)), owner)
