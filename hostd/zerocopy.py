@@ -14,9 +14,10 @@ ordinary process memory cannot be handed over without a copy.
 
 import ctypes
 import fcntl
-import mmap
 import os
 import threading
+
+from bluecached.client import SharedRegion
 
 from . import ioctl_abi as abi
 
@@ -36,15 +37,8 @@ class SharedBuffer:
         if size <= 0:
             raise ValueError("size must be positive")
         self.size = size
-        self.fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
-        try:
-            os.ftruncate(self.fd, size)
-            fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS,
-                        fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
-            self.map = mmap.mmap(self.fd, size)
-        except BaseException:
-            os.close(self.fd)
-            raise
+        self._region = SharedRegion(size, name)   # the same sealed memfd hostd stages in
+        self.fd, self.map = self._region.fd, self._region.map
         self.address = _address_of(self.map)
         with _registry_lock:
             _registry[self.address] = self
@@ -63,8 +57,7 @@ class SharedBuffer:
     def close(self) -> None:
         with _registry_lock:
             _registry.pop(self.address, None)
-        self.map.close()
-        os.close(self.fd)
+        self._region.close()
 
     def __enter__(self):
         return self
