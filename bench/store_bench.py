@@ -1,28 +1,34 @@
 #!/usr/bin/env python3
 """Put/get throughput of 32 MiB objects through a real bluecached, against plain files.
 
-One run measures, for each client concurrency (default 1, 8 and 32):
+One run measures, for each client concurrency (default 1, 8 and 32; ~1 GiB per point):
 
   bluecached   put       create + write + release           (acknowledged from DRAM: write-behind)
                get       lookup + open + read + release     (DRAM hits)
-               get_nvme  the same gets after a daemon restart and a page-cache drop: every object
-                         is promoted from the NVMe tier with its CRC32C checked
+               get_nvme  the same gets after a daemon restart (SIGTERM) and a page-cache drop:
+                         every object is promoted from the NVMe tier with its CRC32C checked
   baseline     write     os.open + os.write + os.close      (no fsync, like write-behind)
                read_warm os.open + os.readv + os.close      (page cache hot, right after writing)
                read_cold the same after sync + drop_caches  (what get_nvme is compared with)
 
-Clients are threads of this process. Each has its own SyncClient (one zmq DEALER), its own
-RegionChannel and its own 32 MiB SharedRegion (a sealed memfd) registered with the daemon; the
-baseline threads write from and read into those same buffers, so both sides move the same bytes
-between the same memory. Object bytes are random, with the object's name stamped into the first
-and last 64 bytes; every get and read checks both stamps.
+Each object is one 32 MiB write / read request (--piece to change). Clients are threads of this
+process; each has its own SyncClient (one zmq DEALER, one daemon session), its own RegionChannel
+and its own 32 MiB SharedRegion (a sealed memfd) registered with the daemon. The baseline
+threads write from and read into those same buffers, so both sides move the same bytes between
+the same memory. Object bytes are random, with the object's name stamped into the first and
+last 64 bytes; every get and read checks both stamps.
 
-It then measures daemon start time with an index of many objects: bench/index_rebuild.py (the
-Journal.load + SegmentStore.rebuild part alone, 100k records) and a real daemon restarted over
-small files created through the protocol (after SIGKILL: journal replay; after SIGTERM: snapshot).
+Steady state, not first touch: after every daemon start the daemon is warmed up (each region
+copied once both ways, one round of chunks through its DRAM pool, nothing written to NVMe), and
+the baseline's page cache is pre-touched right before its write phase (see pre_touch). Every
+point runs --repeat times, interleaved; the table and the plot show medians.
 
-    /tmp/venv/bin/python bench/store_bench.py            # full run -> docs/benchmarks/store.{json,png}
-    /tmp/venv/bin/python bench/store_bench.py --quick    # smoke test -> /tmp/bluecache-bench-quick/
+Then it measures daemon start time with a big index: bench/index_rebuild.py (Journal.load +
+SegmentStore.rebuild alone, 100k records), and a real daemon restarted over 20k 4 KiB files
+created through the protocol (after SIGKILL: journal replay; after SIGTERM: snapshot).
+
+    python bench/store_bench.py          # full run -> docs/benchmarks/store.json, store.png
+    python bench/store_bench.py --quick  # smoke test -> /tmp/bluecache-bench-quick/
 
 See bench/README.md for what each number means.
 """
@@ -98,6 +104,16 @@ def mount_of(path: Path) -> dict:
     return best
 
 
+def free_page_reporting() -> bool | None:
+    """Whether a virtio-balloon device with free page reporting is bound (see pre_touch)."""
+    found = None
+    with contextlib.suppress(OSError):
+        for dev in Path("/sys/bus/virtio/devices").iterdir():
+            if (dev / "device").read_text().strip() == "0x0005":  # balloon
+                found = (dev / "features").read_text().strip()[5:6] == "1"  # F_REPORTING
+    return found
+
+
 def git_revision() -> dict:
     def git(*args):
         out = subprocess.run(["git", "-C", str(ROOT), *args], capture_output=True, text=True)
@@ -119,6 +135,8 @@ def machine_info(work: Path) -> dict:
         "dir": str(work),
         "dir_mount": mount_of(work),
         "running_as_root": os.geteuid() == 0,
+        "loadavg_at_start": [round(x, 2) for x in os.getloadavg()],
+        "free_page_reporting": free_page_reporting(),
     }
 
 
@@ -167,6 +185,7 @@ class Daemon:
         self._notify: socket.socket | None = None
         self._notes: list[tuple[float, str]] = []
         self._log_from = 0
+        self.admin: SyncClient | None = None
 
     @property
     def pid(self) -> int:
@@ -228,6 +247,7 @@ class Daemon:
                 raise RuntimeError("bluecached did not send READY=1:\n" + self.new_log())
             time.sleep(0.002)
         ready_at = next(t for t, m in self._notes if "READY=1" in m)
+        self.admin = self.client()
         rebuilt = re.search(r"index rebuilt: (\d+) files, (\d+) inodes from (\d+) records in "
                             r"([0-9.]+)s", self.new_log())
         out = {"ready_s": round(ready_at - t0, 4), "hello_s": round(hello_at - t0, 4)}
@@ -241,14 +261,14 @@ class Daemon:
                           client_name="store_bench")
 
     def call(self, op: str, **args):
-        client = self.client()
-        try:
-            return client.call(op, **args)
-        finally:
-            client.close()
+        """One request on this daemon's long-lived admin connection."""
+        return self.admin.call(op, **args)
 
     def stop(self, sig=signal.SIGTERM, timeout: float = 900) -> float:
         """Signals the daemon and waits; returns seconds until it exited."""
+        if self.admin is not None:
+            self.admin.close()
+            self.admin = None
         t0 = time.perf_counter()
         if self.proc is not None and self.proc.poll() is None:
             self.proc.send_signal(sig)
@@ -306,13 +326,38 @@ class Worker:
         self.client: SyncClient | None = None
         self.channel: RegionChannel | None = None
         self.region = 0
+        # Entries this session was given (create, lookup): the daemon counts them like FUSE
+        # lookup counts and keeps an unlinked file until they are forgotten.
+        self.known: dict[int, int] = {}
+
+    def note(self, attr: dict) -> None:
+        self.known[attr["ino"]] = self.known.get(attr["ino"], 0) + 1
+
+    def forget_all(self) -> None:
+        if self.client is None or not self.known:
+            return
+        items = list(self.known.items())
+        self.known.clear()
+        for i in range(0, len(items), 4096):
+            part = items[i:i + 4096]
+            try:
+                self.client.call("forget", inos=[k for k, _ in part], counts=[n for _, n in part])
+            except OSError as e:
+                if e.errno != errno.ENOSYS:  # a daemon without forget keeps nothing
+                    raise
+                return
 
     def attach(self, daemon: Daemon) -> None:
         self.client = daemon.client()
         self.channel = RegionChannel(daemon.endpoints["regions"])
         self.region = self.channel.register(self.shm)
 
-    def detach(self) -> None:
+    def detach(self, forget: bool = True) -> None:
+        """Closes the connections, first returning this session's references (unless the
+        daemon is gone)."""
+        if forget:
+            self.forget_all()
+        self.known.clear()
         if self.channel is not None:
             self.channel.close()
         if self.client is not None:
@@ -336,13 +381,59 @@ class Worker:
             raise RuntimeError(f"object {name!r} read back with the wrong bytes")
 
     def close(self) -> None:
-        self.detach()
+        self.detach(forget=False)
         self.shm.close()
 
 
-def run_phase(workers: list[Worker], names: list[list[bytes]], op) -> dict:
+_TICK = os.sysconf("SC_CLK_TCK")
+DISK_STAT: Path | None = None  # /sys/dev/block/M:m/stat of the device holding --dir
+
+
+def block_stat_path(path: Path) -> Path | None:
+    dev = os.stat(path).st_dev
+    stat = Path(f"/sys/dev/block/{os.major(dev)}:{os.minor(dev)}/stat")
+    return stat if stat.exists() else None
+
+
+def disk_counters() -> tuple[int, ...]:
+    """(read I/Os, read sectors, write I/Os, write sectors) of the device holding --dir."""
+    if DISK_STAT is None:
+        return (0, 0, 0, 0)
+    try:
+        f = DISK_STAT.read_text().split()
+    except OSError:
+        return (0, 0, 0, 0)
+    return int(f[0]), int(f[2]), int(f[4]), int(f[6])
+
+
+def disk_delta(after: tuple, before: tuple) -> dict:
+    r_ios, r_sec, w_ios, w_sec = (a - b for a, b in zip(after, before, strict=True))
+    return {"read_ios": r_ios, "read_mib": round(r_sec * 512 / MiB, 1),
+            "avg_read_kib": round(r_sec * 512 / KiB / r_ios, 1) if r_ios else 0,
+            "write_ios": w_ios, "write_mib": round(w_sec * 512 / MiB, 1),
+            "avg_write_kib": round(w_sec * 512 / KiB / w_ios, 1) if w_ios else 0}
+
+
+def cpu_seconds(pid: int | None) -> tuple[float, float, float]:
+    """(CPU seconds of process pid, of this process, of the whole machine) so far."""
+    daemon = 0.0
+    if pid is not None:
+        with contextlib.suppress(OSError):
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            daemon = (int(fields[11]) + int(fields[12])) / _TICK  # utime + stime
+    t = os.times()
+    machine = 0.0
+    with contextlib.suppress(OSError):
+        cpu = Path("/proc/stat").read_text().splitlines()[0].split()[1:]
+        # user nice system idle iowait irq softirq steal: everything but idle and iowait
+        machine = sum(int(v) for i, v in enumerate(cpu[:8]) if i not in (3, 4)) / _TICK
+    return daemon, t.user + t.system, machine
+
+
+def run_phase(workers: list[Worker], names: list[list[bytes]], op, pid: int | None = None) -> dict:
     """Runs op(worker, name) for each worker's names in one thread per worker, all released at
-    once; returns wall time, throughput and per-object latency."""
+    once; returns wall time, throughput, per-object latency and CPU time (the daemon `pid`'s,
+    this process's, and everything else on the machine)."""
     barrier = threading.Barrier(len(workers) + 1)
     latencies: list[list[float]] = [[] for _ in workers]
     errors: list[BaseException] = []
@@ -363,11 +454,15 @@ def run_phase(workers: list[Worker], names: list[list[bytes]], op) -> dict:
     threads = [threading.Thread(target=body, args=(i,), daemon=True) for i in range(len(workers))]
     for t in threads:
         t.start()
+    cpu0 = cpu_seconds(pid)
+    disk0 = disk_counters()
     barrier.wait()
     t0 = time.perf_counter()
     for t in threads:
         t.join()
     seconds = time.perf_counter() - t0
+    cpu1 = cpu_seconds(pid)
+    disk1 = disk_counters()
     if errors:
         raise errors[0]
     lat = sorted(x for per in latencies for x in per)
@@ -381,6 +476,10 @@ def run_phase(workers: list[Worker], names: list[list[bytes]], op) -> dict:
         "latency_ms": {"p50": round(1000 * statistics.median(lat), 2),
                        "p99": round(1000 * lat[min(count - 1, int(0.99 * count))], 2),
                        "max": round(1000 * lat[-1], 2)},
+        "cpu_s": {"daemon": round(cpu1[0] - cpu0[0], 3), "client": round(cpu1[1] - cpu0[1], 3),
+                  "others": round(max(0.0, (cpu1[2] - cpu0[2]) - (cpu1[0] - cpu0[0])
+                                      - (cpu1[1] - cpu0[1])), 3)},
+        "disk": disk_delta(disk1, disk0),
     }
 
 
@@ -391,8 +490,10 @@ def bc_put(piece: int, parent: int):
     def put(w: Worker, name: bytes) -> None:
         w.stamp(name)
         c = w.client
-        fh = c.call("create", parent=parent, name=name, mode=0o644, uid=0, gid=0,
-                    flags=os.O_WRONLY | os.O_CREAT | os.O_TRUNC)["fh"]
+        opened = c.call("create", parent=parent, name=name, mode=0o644, uid=0, gid=0,
+                        flags=os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        w.note(opened["attr"])
+        fh = opened["fh"]
         for pos in range(0, w.size, piece):
             n = min(piece, w.size - pos)
             c.call("write", fh=fh, offset=pos, length=n, region=w.region, region_offset=pos)
@@ -404,8 +505,9 @@ def bc_get(piece: int, parent: int):
     def get(w: Worker, name: bytes) -> None:
         w.unstamp()
         c = w.client
-        ino = c.call("lookup", parent=parent, name=name)["ino"]
-        fh = c.call("open", ino=ino, flags=os.O_RDONLY)["fh"]
+        attr = c.call("lookup", parent=parent, name=name)
+        w.note(attr)
+        fh = c.call("open", ino=attr["ino"], flags=os.O_RDONLY)["fh"]
         pos = 0
         try:
             while pos < w.size:
@@ -425,11 +527,13 @@ def bc_get(piece: int, parent: int):
 # baseline: plain files, same buffers, same piece size
 
 
-def fs_write(piece: int, directory: Path):
+def fs_write(piece: int, directory: Path, overwrite: bool = False):
+    """New files (O_TRUNC), or with overwrite the existing, cached files in place: their page
+    cache pages are reused as the daemon reuses its DRAM chunks, so no memory is allocated."""
     def write(w: Worker, name: bytes) -> None:
         w.stamp(name)
-        fd = os.open(directory / name.decode(), os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC,
-                     0o644)
+        flags = os.O_WRONLY | os.O_CLOEXEC | (0 if overwrite else os.O_CREAT | os.O_TRUNC)
+        fd = os.open(directory / name.decode(), flags, 0o644)
         try:
             view = w.shm.view
             pos = 0
@@ -438,6 +542,30 @@ def fs_write(piece: int, directory: Path):
         finally:
             os.close(fd)
     return write
+
+
+def pre_touch(directory: Path, w: Worker, objects: int, piece: int) -> dict:
+    """Writes and deletes a scratch file as large as the next write phase, right before it.
+
+    This guest hands free memory back to its host (virtio-balloon free page reporting), so
+    memory that has been free for a couple of seconds costs a host page fault per page when it
+    is used again: ~350 MB/s instead of several GB/s. The daemon keeps its DRAM chunks for reuse
+    (and is warmed up once per start); without this the baseline's page cache would pay that
+    cost and the daemon's would not. Returns the first-touch write rate seen."""
+    path = directory / ".pre-touch"
+    t0 = time.perf_counter()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+    try:
+        for _ in range(objects):
+            pos = 0
+            while pos < w.size:
+                pos += os.write(fd, w.shm.view[pos:min(pos + piece, w.size)])
+    finally:
+        os.close(fd)
+    seconds = time.perf_counter() - t0
+    path.unlink()
+    return {"bytes": objects * w.size, "seconds": round(seconds, 4),
+            "first_touch_write_mib_s": round(objects * w.size / MiB / seconds, 1)}
 
 
 def fs_read(piece: int, directory: Path):
@@ -463,17 +591,13 @@ def fs_read(piece: int, directory: Path):
 # -- the daemon's view ---------------------------------------------------------------------------
 
 
-def wait_drained(daemon: Daemon, timeout: float = 900) -> float:
+def wait_drained(daemon: Daemon, timeout: float = 300) -> float:
     """Waits until write-behind has put every dirty byte on NVMe; returns the seconds waited."""
     t0 = time.perf_counter()
-    client = daemon.client()
-    try:
-        while client.call("stats")["dirty_bytes"]:
-            if time.perf_counter() - t0 > timeout:
-                raise RuntimeError(f"write-behind did not drain within {timeout}s")
-            time.sleep(0.01)
-    finally:
-        client.close()
+    while (stats := daemon.call("stats"))["dirty_bytes"]:
+        if time.perf_counter() - t0 > timeout:
+            raise RuntimeError(f"write-behind did not drain within {timeout}s: {stats}")
+        time.sleep(0.01)
     return round(time.perf_counter() - t0, 4)
 
 
@@ -493,9 +617,10 @@ def delta(after: dict, before: dict) -> dict:
 class Profiler:
     """Optional py-spy record of the daemon for the length of one phase."""
 
-    def __init__(self, out_dir: Path | None):
+    def __init__(self, out_dir: Path | None, fmt: str = "flamegraph"):
         self.out_dir = out_dir
-        self.proc: subprocess.Popen | None = None
+        self.fmt = fmt
+        self.count = 0
 
     @contextlib.contextmanager
     def record(self, pid: int, label: str):
@@ -503,9 +628,11 @@ class Profiler:
             yield
             return
         exe = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
-        out = self.out_dir / f"{label}.svg"
+        self.count += 1
+        suffix = {"flamegraph": "svg", "raw": "txt", "speedscope": "json"}[self.fmt]
+        out = self.out_dir / f"{self.count:02d}-{label}.{suffix}"
         proc = subprocess.Popen([exe, "record", "--pid", str(pid), "--threads", "--output",
-                                 str(out), "--rate", "200"],
+                                 str(out), "--rate", "200", "--format", self.fmt],
                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         time.sleep(1.0)  # let it attach
         try:
@@ -524,8 +651,59 @@ def per_worker_names(concurrency: int, objects: int) -> list[list[bytes]]:
     return [[f"obj-{c:02d}-{i:04d}".encode() for i in range(each)] for c in range(concurrency)]
 
 
+def warm_up(daemon: Daemon, workers: list[Worker], objects: int, piece: int) -> dict:
+    """Makes a freshly started daemon look like one that has been serving for a while, so the
+    phases measure steady state rather than first-touch page faults: the daemon maps every
+    client region (its first copy from and to each region faults the pages in) and its DRAM
+    pool gets `objects` objects' worth of chunks that it keeps for reuse once freed. The objects
+    are unlinked while still open, so nothing is written to NVMe. Returns how fast those
+    first-touch puts went (one client at a time)."""
+    c = workers[0].client
+    parent = c.call("mkdir", parent=ROOT_INO, name=b".warmup", mode=0o755, uid=0, gid=0)["ino"]
+    handles = []
+    t0 = time.perf_counter()
+    for k in range(objects):
+        w = workers[k % len(workers)]
+        name = f"warm-{k:04d}".encode()
+        opened = w.client.call("create", parent=parent, name=name, mode=0o644, uid=0, gid=0,
+                               flags=os.O_RDWR | os.O_CREAT | os.O_TRUNC)
+        w.note(opened["attr"])
+        fh = opened["fh"]
+        for pos in range(0, w.size, piece):
+            w.client.call("write", fh=fh, offset=pos, length=min(piece, w.size - pos),
+                          region=w.region, region_offset=pos)
+        handles.append((w, name, fh))
+    seconds = time.perf_counter() - t0
+    for w, _, fh in handles[:len(workers)]:  # each region once in the other direction
+        for pos in range(0, w.size, piece):
+            w.client.call("read", fh=fh, offset=pos, length=min(piece, w.size - pos),
+                          region=w.region, region_offset=pos)
+    for w, name, fh in handles:
+        w.client.call("unlink", parent=parent, name=name)
+        w.client.call("release", fh=fh)
+    for w in workers:
+        w.forget_all()  # now the unlinked objects go, and their chunks return to the pool
+    c.call("rmdir", parent=ROOT_INO, name=b".warmup")
+    return {"objects": objects, "seconds": round(seconds, 4),
+            "first_touch_put_mib_s": round(objects * OBJECT_SIZE / MiB / seconds, 1)}
+
+
+def attach(daemon: Daemon, workers: list[Worker], warm_objects: int, piece: int) -> dict:
+    for w in workers:
+        w.attach(daemon)
+    return warm_up(daemon, workers, warm_objects, piece) if warm_objects else {}
+
+
+def detach(workers: list[Worker]) -> None:
+    for w in workers:
+        w.detach()
+
+
 def throughput_point(daemon: Daemon, workers_all: list[Worker], concurrency: int, objects: int,
-                     piece: int, base_dir: Path, profiler: Profiler, notes: list[str]) -> dict:
+                     piece: int, warm_objects: int, base_dir: Path, profiler: Profiler,
+                     notes: list[str]) -> dict:
+    """One concurrency point. On entry every worker is attached to a warmed-up daemon; on exit
+    too (the daemon has been restarted in between)."""
     workers = workers_all[:concurrency]
     names = per_worker_names(concurrency, objects)
     dirname = f"c{concurrency}".encode()
@@ -537,51 +715,43 @@ def throughput_point(daemon: Daemon, workers_all: list[Worker], concurrency: int
     bc: dict = {}
     os.sync()
     parent = daemon.call("mkdir", parent=ROOT_INO, name=dirname, mode=0o755, uid=0, gid=0)["ino"]
-    for w in workers:
-        w.attach(daemon)
-    try:
-        before = tier_counters(daemon.call("stats"))
-        with profiler.record(daemon.pid, f"c{concurrency}-put"):
-            bc["put"] = run_phase(workers, names, bc_put(piece, parent))
-        bc["put"]["drain_s"] = wait_drained(daemon)
-        bc["put"]["put_plus_drain_mib_s"] = round(
-            bc["put"]["bytes"] / MiB / (bc["put"]["seconds"] + bc["put"]["drain_s"]), 1)
-        with profiler.record(daemon.pid, f"c{concurrency}-get"):
-            bc["get"] = run_phase(workers, names, bc_get(piece, parent))
-        bc["get"]["tiers"] = delta(tier_counters(daemon.call("stats")), before)
-    finally:
-        for w in workers:
-            w.detach()
+    before = tier_counters(daemon.call("stats"))
+    with profiler.record(daemon.pid, f"c{concurrency}-put"):
+        bc["put"] = run_phase(workers, names, bc_put(piece, parent), daemon.pid)
+    bc["put"]["drain_s"] = wait_drained(daemon)
+    bc["put"]["put_plus_drain_mib_s"] = round(
+        bc["put"]["bytes"] / MiB / (bc["put"]["seconds"] + bc["put"]["drain_s"]), 1)
+    with profiler.record(daemon.pid, f"c{concurrency}-get"):
+        bc["get"] = run_phase(workers, names, bc_get(piece, parent), daemon.pid)
+    bc["get"]["tiers"] = delta(tier_counters(daemon.call("stats")), before)
 
     # restart: DRAM is empty afterwards, every get is a promotion from NVMe
+    detach(workers_all)
     bc["restart"] = {"sigterm_stop_s": daemon.stop()}
     bc["restart"].update(daemon.start())
+    bc["restart"]["warm_up"] = attach(daemon, workers_all, warm_objects, piece)
     failed = drop_caches()
     if failed:
         notes.append(f"c{concurrency}: page cache NOT dropped before get_nvme: {failed}")
     parent = daemon.call("lookup", parent=ROOT_INO, name=dirname)["ino"]
-    for w in workers:
-        w.attach(daemon)
-    try:
-        before = tier_counters(daemon.call("stats"))
-        with profiler.record(daemon.pid, f"c{concurrency}-get_nvme"):
-            bc["get_nvme"] = run_phase(workers, names, bc_get(piece, parent))
-        bc["get_nvme"]["page_cache_dropped"] = failed is None
-        bc["get_nvme"]["tiers"] = tiers = delta(tier_counters(daemon.call("stats")), before)
-        if tiers["nvme_hits"] != objects or tiers["checksum_failures"]:
-            notes.append(f"c{concurrency}: get_nvme expected {objects} NVMe promotions, "
-                         f"counters say {tiers}")
-    finally:
-        for w in workers:
-            w.detach()
-    client = daemon.client()
-    try:
-        for per in names:
-            for name in per:
-                client.call("unlink", parent=parent, name=name)
-        client.call("rmdir", parent=ROOT_INO, name=dirname)
-    finally:
-        client.close()
+    before = tier_counters(daemon.call("stats"))
+    with profiler.record(daemon.pid, f"c{concurrency}-get_nvme"):
+        bc["get_nvme"] = run_phase(workers, names, bc_get(piece, parent), daemon.pid)
+    bc["get_nvme"]["page_cache_dropped"] = failed is None
+    bc["get_nvme"]["tiers"] = tiers = delta(tier_counters(daemon.call("stats")), before)
+    if tiers["nvme_hits"] != objects or tiers["checksum_failures"]:
+        notes.append(f"c{concurrency}: get_nvme expected {objects} NVMe promotions, "
+                     f"counters say {tiers}")
+    for per in names:
+        for name in per:
+            daemon.call("unlink", parent=parent, name=name)
+    for w in workers_all:
+        w.forget_all()
+    daemon.call("rmdir", parent=ROOT_INO, name=dirname)
+    stats = daemon.call("stats")
+    if stats["files"] or stats["dirty_bytes"]:
+        notes.append(f"c{concurrency}: after unlinking everything the daemon still reports "
+                     f"{stats['files']} files and {stats['dirty_bytes']} dirty bytes")
     point["bluecached"] = bc
 
     # baseline: plain files in the same file system
@@ -590,6 +760,8 @@ def throughput_point(daemon: Daemon, workers_all: list[Worker], concurrency: int
     directory.mkdir(parents=True)
     try:
         os.sync()
+        if warm_objects:
+            base["pre_touch"] = pre_touch(directory, workers[0], objects, piece)
         base["write"] = run_phase(workers, names, fs_write(piece, directory))
         t = time.perf_counter()
         os.sync()
@@ -597,6 +769,8 @@ def throughput_point(daemon: Daemon, workers_all: list[Worker], concurrency: int
         base["write"]["write_plus_sync_mib_s"] = round(
             base["write"]["bytes"] / MiB / (base["write"]["seconds"] + base["write"]["sync_s"]), 1)
         base["read_warm"] = run_phase(workers, names, fs_read(piece, directory))
+        base["write_overwrite"] = run_phase(workers, names,
+                                            fs_write(piece, directory, overwrite=True))
         failed = drop_caches()
         if failed:
             notes.append(f"c{concurrency}: page cache NOT dropped before read_cold: {failed}")
@@ -610,6 +784,7 @@ def throughput_point(daemon: Daemon, workers_all: list[Worker], concurrency: int
         return round(a["mib_s"] / b["mib_s"], 3)
     point["ratio"] = {
         "put_vs_write": ratio(bc["put"], base["write"]),
+        "put_vs_overwrite": ratio(bc["put"], base["write_overwrite"]),
         "get_vs_read_warm": ratio(bc["get"], base["read_warm"]),
         "get_vs_read_cold": ratio(bc["get"], base["read_cold"]),
         "get_nvme_vs_read_cold": ratio(bc["get_nvme"], base["read_cold"]),
@@ -715,8 +890,9 @@ def daemon_restart_index(work: Path, files: int, clients: int, settings: dict,
         base = out["empty_start"]["hello_s"]
         per = (out["after_sigterm"]["hello_s"] - base) / files
         out["extrapolated_100k_hello_s"] = round(base + per * 100_000, 2)
-        out["index_dir_bytes"] = sum(p.stat().st_size for p in (work / "index_daemon" / "nvme")
-                                     .glob("*") if p.name.startswith(("index", "journal")))
+        nvme_dir = Path(daemon.cfg["tiers"]["nvme"]["path"])
+        out["index_dir_bytes"] = sum(p.stat().st_size for p in nvme_dir.glob("*")
+                                     if p.name.startswith(("index", "journal")))
         out["log_problems"] = daemon.log_problems()[:20]
         daemon.stop()
     finally:
@@ -725,29 +901,71 @@ def daemon_restart_index(work: Path, files: int, clients: int, settings: dict,
     return out
 
 
+def summarize(runs: list[dict]) -> dict:
+    """Medians over the runs of one point (ratios of medians), with every run kept."""
+    first = runs[0]
+    out = {k: first[k] for k in ("concurrency", "objects", "objects_per_client", "bytes")}
+    out["repeats"] = len(runs)
+    med = statistics.median
+    for side in ("bluecached", "baseline"):
+        out[side] = {}
+        for phase, v in first[side].items():
+            if not (isinstance(v, dict) and "mib_s" in v):
+                continue
+            rs = [r[side][phase] for r in runs]
+            vals = [x["mib_s"] for x in rs]
+            summary = {"mib_s": round(med(vals), 1), "mib_s_min": min(vals),
+                       "mib_s_max": max(vals), "mib_s_runs": vals,
+                       "latency_ms_p50": round(med(x["latency_ms"]["p50"] for x in rs), 2),
+                       "latency_ms_p99": round(med(x["latency_ms"]["p99"] for x in rs), 2),
+                       "cpu_s": {k: round(med(x["cpu_s"][k] for x in rs), 3)
+                                 for k in v["cpu_s"]},
+                       "disk_avg_read_kib": round(med(x["disk"]["avg_read_kib"] for x in rs), 1),
+                       "disk_read_mib": round(med(x["disk"]["read_mib"] for x in rs), 1)}
+            for extra in ("drain_s", "put_plus_drain_mib_s", "sync_s", "write_plus_sync_mib_s"):
+                if extra in v:
+                    summary[extra] = round(med(x[extra] for x in rs), 4)
+            out[side][phase] = summary
+
+    def ratio(a: float, b: float) -> float:
+        return round(a / b, 3)
+    bc, base = out["bluecached"], out["baseline"]
+    pairs = {"put_vs_write": ("put", "write"), "put_vs_overwrite": ("put", "write_overwrite"),
+             "get_vs_read_warm": ("get", "read_warm"),
+             "get_vs_read_cold": ("get", "read_cold"),
+             "get_nvme_vs_read_cold": ("get_nvme", "read_cold")}
+    out["ratio"] = {k: ratio(bc[a]["mib_s"], base[b]["mib_s"]) for k, (a, b) in pairs.items()}
+    out["ratio_runs"] = {k: [r["ratio"][k] for r in runs] for k in pairs}
+    out["runs"] = runs
+    return out
+
+
 # -- output --------------------------------------------------------------------------------------
 
 PHASES = [  # (label, side, phase) in table/plot order
     ("put", "bluecached", "put"), ("write", "baseline", "write"),
+    ("overwrite", "baseline", "write_overwrite"),
     ("get", "bluecached", "get"), ("read warm", "baseline", "read_warm"),
     ("get NVMe", "bluecached", "get_nvme"), ("read cold", "baseline", "read_cold"),
 ]
 
 
 def markdown(result: dict) -> str:
-    lines = ["| clients | put | write | put/write | get (DRAM) | read warm | get/warm "
-             "| get/cold | get NVMe | read cold | NVMe/cold |",
-             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = ["| clients | put | write | overwrite | put/write | put/overwrite | get (DRAM) "
+             "| read warm | get/warm | get/cold | get NVMe | read cold | NVMe/cold |",
+             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for p in result["points"]:
         bc, base, r = p["bluecached"], p["baseline"], p["ratio"]
         lines.append(
             f"| {p['concurrency']} | {bc['put']['mib_s']:.0f} | {base['write']['mib_s']:.0f} "
-            f"| {r['put_vs_write']:.2f} | {bc['get']['mib_s']:.0f} "
+            f"| {base['write_overwrite']['mib_s']:.0f} "
+            f"| {r['put_vs_write']:.2f} | {r['put_vs_overwrite']:.2f} | {bc['get']['mib_s']:.0f} "
             f"| {base['read_warm']['mib_s']:.0f} | {r['get_vs_read_warm']:.2f} "
             f"| {r['get_vs_read_cold']:.2f} | {bc['get_nvme']['mib_s']:.0f} "
             f"| {base['read_cold']['mib_s']:.0f} | {r['get_nvme_vs_read_cold']:.2f} |")
     lines.append("")
-    lines.append("MiB/s of 32 MiB objects; ratio = bluecached / baseline.")
+    lines.append(f"MiB/s of 32 MiB objects, median of {result['config']['repeat']} runs; "
+                 "ratio = bluecached / baseline (ratio of the medians).")
     return "\n".join(lines)
 
 
@@ -758,35 +976,51 @@ def plot(result: dict, path: Path) -> None:
 
     points = result["points"]
     xs = list(range(len(points)))
-    panels = [("put vs write (no fsync)", ("bluecached", "put"), ("baseline", "write"),
-               "put_vs_write"),
-              ("get (DRAM hit) vs read (page cache warm)", ("bluecached", "get"),
-               ("baseline", "read_warm"), "get_vs_read_warm"),
-              ("get from NVMe vs read (page cache dropped)", ("bluecached", "get_nvme"),
-               ("baseline", "read_cold"), "get_nvme_vs_read_cold")]
-    fig, axes = plt.subplots(1, 3, figsize=(15, 5), sharey=False)
-    width = 0.38
-    for ax, (title, (s1, p1), (s2, p2), rkey) in zip(axes, panels, strict=True):
-        a = [p[s1][p1]["mib_s"] for p in points]
-        b = [p[s2][p2]["mib_s"] for p in points]
-        ax.bar([x - width / 2 for x in xs], a, width, label=f"bluecached {p1}", color="#1f77b4")
-        ax.bar([x + width / 2 for x in xs], b, width, label=f"files {p2}", color="#bbbbbb",
-               hatch="//", edgecolor="#666666")
-        top = max(a + b) or 1
-        for x, p, va, vb in zip(xs, points, a, b, strict=True):
-            ax.text(x, max(va, vb) + 0.02 * top, f"×{p['ratio'][rkey]:.2f}", ha="center",
-                    va="bottom", fontsize=10, fontweight="bold")
-        ax.set_ylim(0, top * 1.15)
+    # (title, bluecached phase, [(baseline phase, legend, ratio key), ...])
+    panels = [
+        ("put vs write (no fsync)", "put",
+         [("write", "files: write new files", "put_vs_write"),
+          ("write_overwrite", "files: overwrite cached files", "put_vs_overwrite")]),
+        ("get (DRAM hit) vs read (page cache warm)", "get",
+         [("read_warm", "files: read, page cache warm", "get_vs_read_warm")]),
+        ("get from NVMe vs read (page cache dropped)", "get_nvme",
+         [("read_cold", "files: read, page cache dropped", "get_nvme_vs_read_cold")]),
+    ]
+    hatches = ["//", ".."]
+    fig, axes = plt.subplots(1, 3, figsize=(16, 5.5))
+    for ax, (title, phase, bases) in zip(axes, panels, strict=True):
+        series = [("bluecached", phase, f"bluecached {phase}", None)] + \
+                 [("baseline", b, label, rkey) for b, label, rkey in bases]
+        width = 0.8 / len(series)
+        top = 1.0
+        for k, (side, ph, label, rkey) in enumerate(series):
+            stats = [pt[side][ph] for pt in points]
+            med = [x["mib_s"] for x in stats]
+            err = [[x["mib_s"] - x.get("mib_s_min", x["mib_s"]) for x in stats],
+                   [x.get("mib_s_max", x["mib_s"]) - x["mib_s"] for x in stats]]
+            pos = [x - 0.4 + width * (k + 0.5) for x in xs]
+            style = ({"color": "#1f77b4"} if side == "bluecached" else
+                     {"color": "#d0d0d0" if k == 1 else "#f0f0f0", "edgecolor": "#666666",
+                      "hatch": hatches[(k - 1) % len(hatches)]})
+            ax.bar(pos, med, width, yerr=err, capsize=3, label=label, **style)
+            highs = [x.get("mib_s_max", x["mib_s"]) for x in stats]
+            top = max(top, *highs)
+            if rkey:
+                for x, pt, hi in zip(pos, points, highs, strict=True):
+                    ax.text(x, hi, f"×{pt['ratio'][rkey]:.2f}", ha="center", va="bottom",
+                            fontsize=9, fontweight="bold")
+        ax.set_ylim(0, top * 1.18)
         ax.set_xticks(xs, [f"{p['concurrency']} client{'s' if p['concurrency'] > 1 else ''}"
                            for p in points])
         ax.set_title(title, fontsize=10)
-        ax.set_ylabel("MiB/s")
+        ax.set_ylabel("MiB/s (32 MiB objects)")
         ax.legend(fontsize=8, loc="upper left")
     m = result["machine"]
-    fig.suptitle(f"bluecached vs plain files, 32 MiB objects — {m['cpu_model']}, "
-                 f"{m['cores']} cores, {m['dir_mount']['fs_type']}, "
-                 f"O_DIRECT {'on' if result['daemon'].get('o_direct') else 'off'}"
-                 f"{' (quick)' if result['config']['quick'] else ''}", fontsize=11)
+    fig.suptitle(f"bluecached vs plain files — {m['cpu_model']}, {m['cores']} cores, "
+                 f"{m['dir_mount']['fs_type']}, O_DIRECT "
+                 f"{'on' if result['daemon'].get('o_direct') else 'off'}. Bars: median of "
+                 f"{result['config']['repeat']} runs, whiskers min..max; ×r = bluecached / that "
+                 f"baseline{' (quick)' if result['config']['quick'] else ''}", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -822,6 +1056,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                          "sparse)")
     ap.add_argument("--durability", choices=("fsync", "none"), default="fsync",
                     help="daemon durability (default fsync, the daemon's own default)")
+    ap.add_argument("--o-direct", choices=("auto", "on", "off"), default="auto",
+                    help="daemon tiers.nvme.o_direct (default auto, the daemon's own default)")
+    ap.add_argument("--repeat", type=int, default=None,
+                    help="runs of every point, interleaved (1, 8, 32, 1, 8, 32, ...); the "
+                         "tables show medians (default 5, --quick 1)")
     ap.add_argument("--index-files", type=int, default=None,
                     help="small files for the daemon restart measurement (default 20000, "
                          "--quick 1000; 0 skips it)")
@@ -833,6 +1072,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--py-spy", type=Path, metavar="DIR",
                     help="record a py-spy flame graph of the daemon for each bluecached phase "
                          "into DIR (slows the daemon down; not for published numbers)")
+    ap.add_argument("--no-warm-up", action="store_true",
+                    help="measure memory as it comes: no daemon warm-up after each start (its "
+                         "DRAM pool and region mappings fault in during the first phase) and no "
+                         "page-cache pre-touch before the baseline write")
+    ap.add_argument("--py-spy-format", choices=("flamegraph", "raw", "speedscope"),
+                    default="flamegraph", help="py-spy output format (default flamegraph: SVG)")
     ap.add_argument("--keep", action="store_true", help="keep the work directory")
     args = ap.parse_args(argv)
     q = args.quick
@@ -842,6 +1087,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.piece = parse_size(args.piece)
     if not 0 < args.piece <= OBJECT_SIZE or args.piece % 4096:
         ap.error("--piece must be a multiple of 4 KiB and at most 32 MiB")
+    if args.repeat is None:
+        args.repeat = 1 if q else 5
+    if args.repeat < 1:
+        ap.error("--repeat must be at least 1")
     if args.index_files is None:
         args.index_files = 1000 if q else 20_000
     if args.index_objects is None:
@@ -878,11 +1127,13 @@ def main(argv=None) -> int:
         return 2
     if args.py_spy:
         args.py_spy.mkdir(parents=True, exist_ok=True)
-    profiler = Profiler(args.py_spy)
+    profiler = Profiler(args.py_spy, args.py_spy_format)
     notes: list[str] = []
     settings = {"tiers.dram.size": dram, "tiers.nvme.path": str(work / "daemon" / "nvme"),
-                "tiers.nvme.size": nvme, "durability": args.durability,
-                "write_policy": "write-behind"}
+                "tiers.nvme.size": nvme, "tiers.nvme.o_direct": args.o_direct,
+                "durability": args.durability, "write_policy": "write-behind"}
+    global DISK_STAT
+    DISK_STAT = block_stat_path(work)
     result: dict = {
         "benchmark": "bluecached store: put/get of 32 MiB objects vs plain files",
         "started": datetime.datetime.fromtimestamp(started).astimezone().isoformat(
@@ -897,7 +1148,9 @@ def main(argv=None) -> int:
                                    "RegionChannel and 32 MiB SharedRegion",
                    "dram_bytes": dram, "nvme_bytes": nvme, "durability": args.durability,
                    "write_policy": "write-behind",
-                   "baseline": "os.open/os.write/os.readv/os.close, no fsync, same buffers"},
+                   "baseline": "os.open/os.write/os.readv/os.close, no fsync, same buffers",
+                   "warm_up": not args.no_warm_up, "repeat": args.repeat,
+                   "o_direct_setting": args.o_direct},
     }
     print(f"store_bench: work dir {work} ({result['machine']['dir_mount']['fs_type']}), "
           f"dram {dram / GiB:.1f} GiB, points {rounds}", file=sys.stderr)
@@ -911,16 +1164,24 @@ def main(argv=None) -> int:
                             "write_policy": status["write_policy"], "empty_start": start,
                             "config": daemon.cfg}
         workers = [Worker(i, OBJECT_SIZE) for i in range(max(args.concurrency))]
-        result["points"] = []
-        for c in args.concurrency:
-            print(f"store_bench: {c} client(s), {rounds[c]} objects ...", file=sys.stderr)
-            t = time.perf_counter()
-            point = throughput_point(daemon, workers, c, rounds[c], args.piece,
-                                     work / "files", profiler, notes)
-            point["point_wall_s"] = round(time.perf_counter() - t, 1)
-            result["points"].append(point)
-            print("  " + ", ".join(f"{label} {point[side][phase]['mib_s']:.0f}"
-                                   for label, side, phase in PHASES) + " MiB/s", file=sys.stderr)
+        warm = 0 if args.no_warm_up else max(len(workers), max(rounds.values()))
+        result["daemon"]["warm_up"] = attach(daemon, workers, warm, args.piece)
+        runs: dict[int, list[dict]] = {c: [] for c in args.concurrency}
+        for r in range(args.repeat):
+            for c in args.concurrency:
+                t = time.perf_counter()
+                point = throughput_point(daemon, workers, c, rounds[c], args.piece, warm,
+                                         work / "files", profiler, notes)
+                point["run"] = r + 1
+                point["point_wall_s"] = round(time.perf_counter() - t, 1)
+                point["loadavg"] = [round(x, 2) for x in os.getloadavg()]
+                runs[c].append(point)
+                print(f"store_bench: run {r + 1}/{args.repeat}, {c:2d} client(s), {rounds[c]} "
+                      "objects: " + ", ".join(f"{label} {point[side][phase]['mib_s']:.0f}"
+                                              for label, side, phase in PHASES) + " MiB/s",
+                      file=sys.stderr)
+        result["points"] = [summarize(runs[c]) for c in args.concurrency]
+        result["machine"]["loadavg_after_points"] = [round(x, 2) for x in os.getloadavg()]
         result["daemon"]["log_problems"] = daemon.log_problems()[:20]
         result["daemon"]["final_sigterm_stop_s"] = daemon.stop()
     finally:
