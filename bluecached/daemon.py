@@ -203,7 +203,8 @@ class Daemon:
     async def _start_services(self, services: trio.Nursery) -> None:
         cfg = self.cfg
         self.server = ControlServer(self.store, self.regions, self.status, self.stats,
-                                    self.verifier, cfg.control.max_message_bytes)
+                                    self.verifier, cfg.control.max_message_bytes,
+                                    cfg.control.session_timeout)
         await services.start(self.server.run, self.router)
         self.events = SocketPump(self.publisher)
         services.start_soon(self.events.run)

@@ -26,23 +26,25 @@ def attrs(node: Inode) -> dict:
 
 
 class Session:
-    __slots__ = ("id", "client", "known")
+    __slots__ = ("id", "client", "known", "last_seen")
 
     def __init__(self, sid: int, client: str):
         self.id = sid
         self.client = client
+        self.last_seen = trio.current_time()
         self.known: dict[int, int] = {}   # inode -> entries sent and not yet forgotten
 
 
 class ControlServer:
     def __init__(self, store: Store, regions: RegionTable, status, stats, verifier,
-                 max_message_bytes: int = 65536):
+                 max_message_bytes: int = 65536, session_timeout: float = 120.0):
         self.store = store
         self.regions = regions
         self.status = status        # () -> dict
         self.stats = stats          # () -> dict
         self.verifier = verifier
         self.max_message_bytes = max_message_bytes
+        self.session_timeout = session_timeout
         self.incarnation = os.urandom(8).hex()
         self.sessions: dict[bytes, Session] = {}
         self._session_ids = itertools.count(1)
@@ -55,8 +57,22 @@ class ControlServer:
         self._pump = SocketPump(sock)
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
+            nursery.start_soon(self._expire_sessions)
             task_status.started()
             await self._pump.run(self._on_message)
+
+    async def _expire_sessions(self) -> None:
+        """ROUTER sockets do not say when a peer goes away: a client that crashed is noticed
+        by its silence, and what it held (handles, kernel references) is let go."""
+        while True:
+            await trio.sleep(max(0.2, self.session_timeout / 4))
+            cutoff = trio.current_time() - self.session_timeout
+            for identity, session in list(self.sessions.items()):
+                if session.last_seen < cutoff:
+                    del self.sessions[identity]
+                    released = self._end_session(session)
+                    log.info("session %d (%s) silent for %gs: ended, %d handles released",
+                             session.id, session.client, self.session_timeout, released)
 
     # -- receiving -------------------------------------------------------------------------
 
@@ -87,6 +103,8 @@ class ControlServer:
     async def _serve(self, identity: bytes, request: protocol.Request) -> None:
         try:
             session = self.sessions.get(identity)
+            if session is not None:
+                session.last_seen = trio.current_time()
             if request.op == "hello":
                 result = self._hello(identity, request.args)
             elif session is None:

@@ -201,7 +201,9 @@ class Tiers:
             obj = node.obj
             if obj.busy:
                 continue
-            if self.nvme is None or not obj.dirty:
+            # An unlinked file only a kernel reference keeps: nobody can open it by name, and
+            # it will never be written behind; its bytes may go.
+            if self.nvme is None or not obj.dirty or node.parent is None:
                 yield node
 
     def _evict_dram_one(self) -> bool:
@@ -217,7 +219,8 @@ class Tiers:
 
     def _writeback_can_help(self) -> bool:
         return self.nvme is not None and any(
-            n.obj.dirty and not n.obj.writers for n in self.lru_dram.values())
+            n.obj.dirty and not n.obj.writers and n.parent is not None
+            for n in self.lru_dram.values())
 
     async def take_chunks(self, count: int, zero: bool = True) -> list:
         """`count` chunks, evicting to make room. ENOSPC only when nothing can be evicted:
@@ -365,6 +368,10 @@ class Tiers:
         self.stats.nvme.bytes_in += size
         self._signal_space()
         self.maybe_pressure_nvme()
+        if self.journal is not None and self.journal.durable:
+            # The record counts once it is durable; bookkeeping is done above, so nothing
+            # that runs meanwhile (an unlink, an eviction) sees a half-updated object.
+            await trio.to_thread.run_sync(self.journal.sync)
         return True
 
     def maybe_pressure_nvme(self) -> None:

@@ -152,3 +152,22 @@ def test_tcp_with_curve_admits_only_known_clients(daemon, tmp_path):
     assert e.value.errno == errno.ETIMEDOUT
     with pytest.raises(RemoteError):    # no keys at all
         SyncClient("tcp://127.0.0.1:17400", None, timeout=1.5)
+
+
+def test_a_silent_client_loses_its_handles(daemon):
+    d = daemon(**{"control.session_timeout": "1s"}).start()
+    quiet = d.client()
+    quiet.call("create", parent=ROOT_INO, name=b"held", mode=0o644, uid=0, gid=0,
+               flags=os.O_WRONLY)
+    watcher = d.client()
+    assert watcher.call("stats")["open_handles"] == 1
+    import time
+    deadline = time.monotonic() + 10
+    while watcher.call("stats")["open_handles"] and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert watcher.call("stats")["open_handles"] == 0
+    with pytest.raises(RemoteError) as e:        # the silent client must say hello again
+        quiet.call("ping")
+    assert e.value.errno == errno.EPROTO
+    quiet.close()
+    watcher.close()

@@ -4,6 +4,7 @@ import errno
 import os
 
 import pytest
+import trio
 
 from bluecached.namespace import ROOT_INO, FsError
 from support import MiB, pattern, run
@@ -204,6 +205,26 @@ def test_a_tier_between_its_watermarks_is_left_alone(harness):
         h.store.tiers.evict_to_watermarks()       # DRAM is above its high watermark
         assert names(h) == {"k0", "k1", "k2"}
         assert h.store.tiers.dram.used_bytes <= 2 * MiB
+
+    run(main)
+    h.check_consistency()
+
+
+def test_unlinked_files_held_only_by_the_kernel_do_not_wedge_writes(harness):
+    """Dirty files that were unlinked while a kernel still references them can never be
+    written behind: a write needing their DRAM must evict them, not wait forever."""
+    h = harness(dram=8 * MiB, nvme=64 * MiB)
+
+    async def main():
+        for i in range(2):
+            handle = await h.store.create(ROOT_INO, f"u{i}".encode(), 0o644, 0, 0, os.O_RDWR)
+            await h.write(handle.fh, 0, pattern(str(i), 4 * MiB))
+            h.store.reference(handle.node.ino)          # the kernel still holds it
+            h.store.unlink(ROOT_INO, f"u{i}".encode())
+            h.store.release(handle.fh)
+        with trio.fail_after(5):
+            await h.put("/new", pattern("new", 4 * MiB))
+        assert await h.get("/new") == pattern("new", 4 * MiB)
 
     run(main)
     h.check_consistency()
