@@ -110,13 +110,23 @@ class Store:
                 async with obj.content_lock():
                     await self.tiers.writeback(node)
 
-    def checkpoint(self) -> None:
-        journal = self.tiers.journal
-        if journal is None:
-            return
+    def _snapshot(self) -> list:
         persisted = {n.ino: (n.obj.extent, n.obj.crcs)
                      for n in self.tiers.lru_nvme.values() if n.obj.persisted}
-        journal.checkpoint(index.snapshot_records(self.ns, persisted, self.boot))
+        return index.snapshot_records(self.ns, persisted, self.boot)
+
+    def checkpoint(self) -> None:
+        """Snapshot the index now (shutdown)."""
+        if self.tiers.journal is not None:
+            self.tiers.journal.checkpoint(self._snapshot())
+
+    async def checkpoint_in_background(self) -> None:
+        """Snapshot while serving: switching journals and capturing the state happen together
+        on the event loop; writing the snapshot happens in a worker thread."""
+        journal = self.tiers.journal
+        journal.checkpoint_begin()
+        records = self._snapshot()
+        await trio.to_thread.run_sync(journal.checkpoint_finish, records)
 
     # -- helpers ---------------------------------------------------------------------------
 
@@ -517,7 +527,7 @@ class Store:
             await trio.sleep(interval)
             await self.collect_orphans()
             if journal is not None and journal.journal_bytes > self.tiers.journal_max_bytes:
-                self.checkpoint()
+                await self.checkpoint_in_background()
 
     def root(self) -> Inode:
         return self.ns.inodes[ROOT_INO]

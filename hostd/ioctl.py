@@ -235,12 +235,11 @@ class IoctlServer:
         channel = await trio.to_thread.run_sync(RegionChannel, self.link.regions_path)
         try:
             region = await trio.to_thread.run_sync(channel.register_fd, fd, span, kind)
-            daemon_fh = await self.link.daemon_fh(fh)
             if store:
-                r = await self.link.call("store", fh=daemon_fh, length=x.length, region=region,
+                r = await self.link.call("store", host_fh=fh, length=x.length, region=region,
                                          region_offset=x.mem_offset)
                 return r["length"], r["size"]
-            r = await self.link.call("read", fh=daemon_fh, offset=x.file_offset,
+            r = await self.link.call("read", host_fh=fh, offset=x.file_offset,
                                      length=x.length, region=region,
                                      region_offset=x.mem_offset)
             size = (await self.link.getattr(self.link.open_file(fh).ino)).size
@@ -250,7 +249,7 @@ class IoctlServer:
 
     async def _query(self, fh: int, request: bytes) -> bytes:
         q = self._parse(request, abi.QUERY, abi.Query)
-        r = await self.link.call("query", fh=await self.link.daemon_fh(fh))
+        r = await self.link.call("query", host_fh=fh)
         tiers = r["tier"].split("+")
         q.file_size, q.crc32c = r["size"], r["crc32c"]
         q.tiers = (abi.TIER_DRAM if "dram" in tiers else 0) | \

@@ -147,7 +147,9 @@ class DaemonLink:
                 log.debug("reconnect failed: %s", e)
                 await trio.sleep(0.2)
 
-    async def call(self, op: str, **args):
+    async def call(self, op: str, host_fh: int | None = None, **args):
+        """A request, waiting out a daemon restart for those safe to repeat. With `host_fh`,
+        the daemon's handle is looked up at each attempt (a restart re-opens it)."""
         deadline = trio.current_time() + self.request_timeout
         while True:
             remaining = deadline - trio.current_time()
@@ -159,6 +161,8 @@ class DaemonLink:
             if not self._connected.is_set():
                 continue
             try:
+                if host_fh is not None:
+                    args["fh"] = await self.daemon_fh(host_fh)
                 return await self.client.call(op, timeout=max(remaining, 0.001), **args)
             except RemoteError as e:
                 if e.errno == errno.EPROTO and "hello" in str(e):
@@ -224,7 +228,7 @@ class DaemonLink:
             piece = min(size, SLOT_SIZE)
             slot = await self.staging.take()
             try:
-                n = (await self.call("read", fh=await self.daemon_fh(fh), offset=offset,
+                n = (await self.call("read", host_fh=fh, offset=offset,
                                      length=piece, region=self.staging.region_id,
                                      region_offset=slot * SLOT_SIZE))["length"]
                 view = self.staging.view(slot, n)
@@ -253,7 +257,7 @@ class DaemonLink:
             try:
                 self.staging.view(slot, len(piece))[:] = piece
                 self.bytes_copied += len(piece)
-                await self.call("write", fh=await self.daemon_fh(fh), offset=offset + done,
+                await self.call("write", host_fh=fh, offset=offset + done,
                                 length=len(piece), region=self.staging.region_id,
                                 region_offset=slot * SLOT_SIZE)
             finally:
@@ -262,7 +266,7 @@ class DaemonLink:
         return done
 
     async def flush(self, fh) -> None:
-        await self.call("flush", fh=await self.daemon_fh(fh))
+        await self.call("flush", host_fh=fh)
 
     async def release(self, fh) -> None:
         f = self._files.pop(fh, None)

@@ -4,6 +4,7 @@ import errno
 import os
 
 import pytest
+import trio
 
 from bluecached.namespace import ROOT_INO, FsError
 from support import MiB, pattern, run
@@ -158,4 +159,31 @@ def test_replace_swaps_content_atomically_under_a_reader(harness):
         h.store.release(writer.fh)
 
     run(main)
+    h.check_consistency()
+
+
+def test_checkpoint_while_serving_loses_nothing(harness):
+    h = harness()
+
+    async def main():
+        for i in range(5):
+            await h.put(f"/a/{i}", pattern(f"a{i}", MiB))
+        await h.settle()
+        async with trio.open_nursery() as nursery:      # changes race the snapshot thread
+            nursery.start_soon(h.store.checkpoint_in_background)
+            for i in range(5):
+                await h.put(f"/b/{i}", pattern(f"b{i}", MiB))
+            h.store.rename(h.store.ns.resolve("/a").ino, b"0", ROOT_INO, b"moved")
+        await h.settle()
+
+    run(main)
+    h.reopen(clean=False)
+
+    async def check():
+        assert await h.get("/moved") == pattern("a0", MiB)
+        for i in range(1, 5):
+            assert await h.get(f"/a/{i}") == pattern(f"a{i}", MiB)
+            assert await h.get(f"/b/{i}") == pattern(f"b{i}", MiB)
+
+    run(check)
     h.check_consistency()
