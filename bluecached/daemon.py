@@ -174,7 +174,6 @@ class Daemon:
     # -- lifecycle -------------------------------------------------------------------------
 
     async def run(self) -> None:
-        cfg = self.cfg
         try:
             await trio.to_thread.run_sync(self.store.load)
         except JournalError as e:

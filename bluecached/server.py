@@ -169,7 +169,7 @@ class ControlServer:
     async def op_forget(self, session, inos, counts) -> dict:
         if len(inos) != len(counts):
             raise FsError(errno.EINVAL, "forget: inos and counts differ in length")
-        for ino, n in zip(inos, counts):
+        for ino, n in zip(inos, counts, strict=True):
             left = session.known.get(ino, 0) - n
             if left > 0:
                 session.known[ino] = left

@@ -327,9 +327,10 @@ class Store:
             whole = [i for i in missing
                      if offset <= i * CHUNK_SIZE and (i + 1) * CHUNK_SIZE <= end]
             partial = [i for i in missing if i not in whole]
-            for i, c in zip(whole, await self.tiers.take_chunks(len(whole), zero=False)):
+            for i, c in zip(whole, await self.tiers.take_chunks(len(whole), zero=False),
+                            strict=True):
                 obj.chunks[i] = c
-            for i, c in zip(partial, await self.tiers.take_chunks(len(partial))):
+            for i, c in zip(partial, await self.tiers.take_chunks(len(partial)), strict=True):
                 obj.chunks[i] = c
             self.tiers.pin(obj)
             try:

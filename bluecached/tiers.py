@@ -407,4 +407,4 @@ class Tiers:
             await self._pressure.wait()
             self._pressure = trio.Event()
             self.evict_to_watermarks()
-            await trio.sleep(0)
+            await trio.lowlevel.checkpoint()

@@ -3,11 +3,18 @@
 from pathlib import Path
 from typing import Any
 
+from bluecached.config import ConfigError as ConfigError  # re-exported for hostd's callers
 from bluecached.config import (
-    Field, Schema, as_choice, as_duration, as_endpoint, as_path, changed_keys, load_yaml,
+    Field,
+    Schema,
+    as_choice,
+    as_duration,
+    as_endpoint,
+    as_path,
+    changed_keys,
+    load_yaml,
     render_defaults,
 )
-from bluecached.config import ConfigError as ConfigError  # re-exported for hostd's callers
 
 DEFAULT_PATH = Path("/etc/bluecache/hostd.yaml")
 

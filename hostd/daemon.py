@@ -98,8 +98,7 @@ async def run(cfg, path: Path | None, notifier) -> None:
             nursery.start_soon(link.forward_releases)
             nursery.start_soon(_follow_events, events, keys, ops)
             try:
-                clear_stale(mountpoint)
-                mountpoint.mkdir(parents=True, exist_ok=True)
+                await trio.to_thread.run_sync(_prepare_mountpoint, mountpoint)
             except (MountError, OSError) as e:
                 raise StartupError(str(e)) from None
             options = set(pyfuse3.default_options) | {f"fsname={FSNAME}", f"subtype={FSNAME}"}
@@ -145,6 +144,11 @@ async def run(cfg, path: Path | None, notifier) -> None:
                 nursery.cancel_scope.cancel()
     link.close()
     log.info("stopped; hostd copied %d payload bytes", link.bytes_copied)
+
+
+def _prepare_mountpoint(mountpoint: Path) -> None:
+    clear_stale(mountpoint)   # may wait seconds for a hung mount to answer: not on the loop
+    mountpoint.mkdir(parents=True, exist_ok=True)
 
 
 def _reload_log_level(path: Path | None) -> None:

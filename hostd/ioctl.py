@@ -133,7 +133,8 @@ class IoctlServer:
             return "ioctl available"
         version = self.shim.lib.fuse_version()
         if state == -1:
-            return f"ioctl unavailable: libfuse {version}'s operations table is newer than the shim's"
+            return (f"ioctl unavailable: libfuse {version}'s operations table is newer than "
+                    "the shim's")
         return (f"ioctl unavailable: libfuse {version} did not call the shim's "
                 "fuse_session_new@FUSE_3.0 (libfuse >= 3.17 needs another approach)")
 

@@ -4,7 +4,6 @@ mount tests, fault tests and benchmarks share."""
 import ctypes
 import hashlib
 import os
-import time
 
 MiB = 1 << 20
 

@@ -44,7 +44,8 @@ class LoopbackEngine(DmaEngine):
         except OSError as e:
             if isinstance(e, DmaError):
                 raise
-            raise DmaError(errno.EBADF, f"region fd is not a sealable memfd: {e.strerror}") from None
+            raise DmaError(errno.EBADF,
+                           f"region fd is not a sealable memfd: {e.strerror}") from None
         if kind == "memfd" and size < length:
             raise DmaError(errno.EINVAL, f"region memfd holds {size} bytes, {length} claimed")
         try:

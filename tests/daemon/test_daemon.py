@@ -1,7 +1,6 @@
 """bluecached as a process: startup, sd_notify, CLI, metrics, config errors, restart."""
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -11,7 +10,7 @@ import pytest
 import zmq
 
 from bluecached import protocol
-from support import MiB, FileClient, pattern
+from support import FileClient, MiB, pattern
 
 
 def ctl(d, *args, check=True) -> subprocess.CompletedProcess:

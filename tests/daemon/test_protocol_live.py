@@ -11,7 +11,7 @@ import zmq
 from bluecached import curve, protocol
 from bluecached.client import RemoteError, SyncClient, connect
 from bluecached.namespace import ROOT_INO
-from support import MiB, FileClient, pattern
+from support import FileClient, MiB
 
 BAD_FRAMES = [
     [b""], [b"\xc1"], [b"\x92\x01"],                     # empty, invalid, truncated array
@@ -139,9 +139,9 @@ def test_tcp_with_curve_admits_only_known_clients(daemon, tmp_path):
     (keys / "clients" / "host1.key").write_bytes(pub.read_bytes())
     curve.generate(tmp_path / "other", "server")
     curve.generate(tmp_path / "other", "intruder")
-    d = daemon(**{"control.listen": "tcp://127.0.0.1:17400",
-                  "control.events": "tcp://127.0.0.1:17401",
-                  "control.curve_dir": str(keys)}).start()
+    daemon(**{"control.listen": "tcp://127.0.0.1:17400",
+              "control.events": "tcp://127.0.0.1:17401",
+              "control.curve_dir": str(keys)}).start()
     client = SyncClient("tcp://127.0.0.1:17400", curve.client_keys(keys, "host1"))
     assert client.call("getattr", ino=ROOT_INO)["ino"] == ROOT_INO
     client.close()

@@ -5,7 +5,7 @@ import hashlib
 import threading
 import time
 
-from support import MiB, FileClient, pattern
+from support import FileClient, MiB, pattern
 
 CLIENTS = 8
 NAMES_PER_CLIENT = 3

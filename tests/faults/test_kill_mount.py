@@ -8,8 +8,8 @@ import time
 
 import pytest
 
-from support import HostdProcess, MiB, is_mounted, pattern, wait_settled
 from connectors import block_name, llmd_read, llmd_write
+from support import HostdProcess, MiB, is_mounted, pattern, wait_settled
 
 DAEMON_GONE = ["lost bluecached", "-> EIO", "index: ", "not delivered"]
 

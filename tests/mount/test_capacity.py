@@ -4,8 +4,8 @@ mount (the kernel's caches are invalidated), present files read back exactly."""
 import os
 import time
 
-from support import MiB, pattern, wait_settled
 from connectors import block_name, llmd_read, llmd_write
+from support import MiB, pattern, wait_settled
 
 
 def test_eviction_through_the_mount(mounted):

@@ -6,8 +6,15 @@ import os
 
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import (Bundle, RuleBasedStateMachine, consumes, invariant, precondition,
-                                 rule, run_state_machine_as_test)
+from hypothesis.stateful import (
+    Bundle,
+    RuleBasedStateMachine,
+    consumes,
+    invariant,
+    precondition,
+    rule,
+    run_state_machine_as_test,
+)
 
 NAMES = [f"f{i}" for i in range(5)]
 MAX_SIZE = 3 << 20           # crosses the daemon's 1 MiB chunks

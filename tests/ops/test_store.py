@@ -116,7 +116,7 @@ def test_checksum_mismatch_on_nvme_gives_eio_and_removes(harness):
         extent = node.obj.extent
         seg = h.store.tiers.nvme
         path = seg._seg_path(extent.offset // seg.segment_size)
-        with open(path, "r+b") as f:       # flip one byte in the middle chunk
+        with open(path, "r+b") as f:  # noqa: ASYNC230 - flip one byte in the middle chunk
             f.seek(extent.offset % seg.segment_size + MiB + 77)
             b = f.read(1)
             f.seek(-1, 1)
