@@ -107,7 +107,7 @@ def _unpack(frame: bytes, max_bytes: int):
     try:
         return msgpack.unpackb(frame, raw=False, strict_map_key=False,
                                max_bin_len=max_bytes, max_str_len=max_bytes,
-                               max_array_len=1024, max_map_len=64)
+                               max_array_len=2 * MAX_FORGET, max_map_len=64)
     except (ValueError, TypeError, msgpack.ExtraData, msgpack.FormatError,
             msgpack.StackError) as e:
         # TypeError: a map whose key is a map or a list (unhashable)

@@ -220,6 +220,7 @@ class DaemonProcess:
         self.notify_messages: list[str] = []
 
     def start(self, timeout: float = 30, env: dict | None = None) -> "DaemonProcess":
+        self.notify_messages = []     # a restart must wait for the new process's READY=1
         notify_path = self.root / "notify.sock"
         with contextlib.suppress(FileNotFoundError):
             notify_path.unlink()

@@ -171,3 +171,15 @@ def test_a_silent_client_loses_its_handles(daemon):
     assert e.value.errno == errno.EPROTO
     quiet.close()
     watcher.close()
+
+
+def test_a_full_forget_batch_is_answered(daemon):
+    """hostd forwards FORGET in batches of protocol.MAX_FORGET: every batch must decode."""
+    d = daemon(allow_log=["must be u64[]"]).start()
+    client = d.client()
+    n = protocol.MAX_FORGET
+    assert client.call("forget", inos=list(range(2, n + 2)), counts=[1] * n) == {}
+    with pytest.raises(RemoteError) as e:
+        client.call("forget", inos=list(range(n + 1)), counts=[1] * (n + 1))
+    assert e.value.errno == errno.EINVAL         # over the limit: refused, with an answer
+    client.close()
