@@ -1,11 +1,18 @@
 #!/usr/bin/env bash
 # Installs what bluecache needs on a Debian/Ubuntu machine (idempotent):
 # FUSE 3 (the mount), a virtual environment in .venv with the project and its test tools.
+# --test also installs what the packaging tests use (Debian build tools, lintian, systemd's
+# container tools, debootstrap).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
+packages=(fuse3 libfuse3-dev pkg-config gcc)
+if [ "${1:-}" = "--test" ]; then
+  packages+=(systemd systemd-container debootstrap lintian dpkg-dev debhelper dh-python
+             pybuild-plugin-pyproject python3-all-dev python3-setuptools python3-cffi)
+fi
 need_apt=()
-for pkg in fuse3 libfuse3-dev pkg-config gcc; do
+for pkg in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed" || need_apt+=("$pkg")
 done
 if [ ${#need_apt[@]} -gt 0 ]; then

@@ -17,7 +17,24 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-MIRROR = os.environ.get("BLUECACHE_DEBIAN_MIRROR", "http://deb.debian.org/debian")
+
+
+def _apt_mirror() -> str:
+    """The Debian mirror this machine's apt already uses (deb822 or one-line sources)."""
+    for path in sorted(Path("/etc/apt/sources.list.d").glob("*.sources")):
+        for line in path.read_text().splitlines():
+            if line.startswith("URIs:") and "security" not in line:
+                return line.split()[1]
+    listing = Path("/etc/apt/sources.list")
+    if listing.exists():
+        for line in listing.read_text().splitlines():
+            parts = line.split()
+            if len(parts) >= 3 and parts[0] == "deb" and "security" not in parts[1]:
+                return parts[1]
+    raise AssertionError("no Debian mirror in apt's sources: set BLUECACHE_DEBIAN_MIRROR")
+
+
+MIRROR = os.environ.get("BLUECACHE_DEBIAN_MIRROR") or _apt_mirror()
 SYSTEM_PATH = "/usr/sbin:/usr/bin:/sbin:/bin"
 BLOCK = 32 << 20
 
