@@ -15,7 +15,7 @@ from pathlib import Path
 import trio
 import zmq
 
-from . import __version__, config, curve, metrics, protocol
+from . import __version__, config, curve, local_transport, metrics, protocol
 from .dma import RegionTable, make_engine
 from .dma.loopback import serve_regions
 from .dram import DramPool
@@ -205,6 +205,8 @@ class Daemon:
                                     self.verifier, cfg.control.max_message_bytes,
                                     cfg.control.session_timeout)
         await services.start(self.server.run, self.router)
+        await services.start(local_transport.serve,
+                             protocol.state_dir_endpoints(cfg.state_dir)["local"], self.server)
         self.events = SocketPump(self.publisher)
         services.start_soon(self.events.run)
         await services.start(serve_regions,

@@ -182,5 +182,6 @@ def decode_event(frames: list[bytes]) -> tuple[bytes, dict]:
 def state_dir_endpoints(state_dir: str) -> dict[str, str]:
     """Where an embedded-mode daemon with this state dir listens."""
     return {"control": f"ipc://{state_dir}/control.sock",
+            "local": f"{state_dir}/control.seq",
             "events": f"ipc://{state_dir}/events.sock",
             "regions": f"{state_dir}/dma.sock"}

@@ -50,6 +50,7 @@ class ControlServer:
         self._session_ids = itertools.count(1)
         self.requests = 0
         self.bad_messages = 0
+        self._peers: dict[bytes, object] = {}   # local SEQPACKET clients by identity
         self._pump: SocketPump | None = None
         self._nursery: trio.Nursery | None = None
 
@@ -81,7 +82,23 @@ class ControlServer:
             self.bad_messages += 1
             log.warning("dropped a control message with %d frames", len(frames))
             return
-        identity, frame = frames
+        self.on_frame(*frames)
+
+    # -- local (SOCK_SEQPACKET) clients -----------------------------------------------------
+
+    def attach_peer(self, peer) -> None:
+        self._peers[peer.identity] = peer
+
+    def detach_peer(self, peer) -> None:
+        """A local client disconnected: what it held is let go now (zmq cannot tell us)."""
+        self._peers.pop(peer.identity, None)
+        session = self.sessions.pop(peer.identity, None)
+        if session is not None:
+            released = self._end_session(session)
+            log.info("session %d (%s) disconnected; %d handles released", session.id,
+                     session.client, released)
+
+    def on_frame(self, identity: bytes, frame: bytes) -> None:
         try:
             request = protocol.decode_request(frame, self.max_message_bytes)
         except protocol.ProtocolError as e:
@@ -98,7 +115,11 @@ class ControlServer:
         self._nursery.start_soon(self._serve, identity, request)
 
     def _reply(self, identity: bytes, payload: bytes) -> None:
-        self._pump.send([identity, payload])
+        peer = self._peers.get(identity)
+        if peer is not None:
+            peer.send(payload)
+        elif not identity.startswith(b"local-"):
+            self._pump.send([identity, payload])
 
     async def _serve(self, identity: bytes, request: protocol.Request) -> None:
         try:

@@ -23,6 +23,7 @@ import zmq  # noqa: E402
 
 from bluecached import curve, protocol  # noqa: E402
 from bluecached.client import AsyncClient  # noqa: E402
+from bluecached.local_transport import LocalClient  # noqa: E402
 from bluecached.notify import Notifier  # noqa: E402
 from bluecached.zmqpump import SocketPump  # noqa: E402
 from fusefs import Operations, Timeouts  # noqa: E402
@@ -83,7 +84,12 @@ async def _follow_events(events_endpoint: str, keys, ops: Operations) -> None:
 async def run(cfg, path: Path | None, notifier) -> None:
     control, events, regions, keys = _endpoints(cfg)
     mountpoint = Path(cfg.mountpoint)
-    client = AsyncClient(control, keys, client_name=f"hostd@{os.uname().nodename}")
+    name = f"hostd@{os.uname().nodename}"
+    if cfg.daemon.control == "ipc":   # same machine: the SEQPACKET fast path
+        local = protocol.state_dir_endpoints(str(cfg.state_dir))["local"]
+        client = LocalClient(local, client_name=name)
+    else:
+        client = AsyncClient(control, keys, client_name=name)
     link = DaemonLink(client, regions, cfg.mount.staging_slots, cfg.daemon.request_timeout)
     ops = Operations(link, Timeouts(cfg.mount.entry_timeout, cfg.mount.attr_timeout,
                                     cfg.mount.negative_timeout))

@@ -183,3 +183,66 @@ def test_a_full_forget_batch_is_answered(daemon):
         client.call("forget", inos=list(range(n + 1)), counts=[1] * (n + 1))
     assert e.value.errno == errno.EINVAL         # over the limit: refused, with an answer
     client.close()
+
+
+def test_local_seqpacket_transport(daemon):
+    """Embedded mode's fast path: same protocol, garbage refused, a disconnect releases what the
+    client held at once (no waiting for the session timeout)."""
+    import socket as pysocket
+    d = daemon(allow_log=["bad control message"]).start()
+    path = protocol.state_dir_endpoints(str(d.state_dir))["local"]
+    assert (d.state_dir / "control.seq").stat().st_mode & 0o777 == 0o600
+    sock = pysocket.socket(pysocket.AF_UNIX, pysocket.SOCK_SEQPACKET)
+    sock.connect(path)
+    sock.settimeout(5)
+    sock.send(b"\xc1garbage")
+    assert protocol.decode_reply(sock.recv(65536))["errno"] == errno.EBADMSG
+    sock.send(protocol.encode_request(1, "hello", {"versions": [1], "client": "raw"}))
+    assert protocol.decode_reply(sock.recv(65536))["ok"]
+    sock.send(protocol.encode_request(2, "create", {"parent": ROOT_INO, "name": b"f",
+                                                    "mode": 0o644, "uid": 0, "gid": 0,
+                                                    "flags": os.O_WRONLY}))
+    assert protocol.decode_reply(sock.recv(65536))["ok"]
+    watcher = d.client()
+    assert watcher.call("stats")["open_handles"] == 1
+    sock.close()
+    import time
+    deadline = time.monotonic() + 5
+    while watcher.call("stats")["open_handles"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert watcher.call("stats")["open_handles"] == 0
+    watcher.close()
+
+
+def test_local_client_reconnects_to_a_restarted_daemon(daemon):
+    from bluecached.local_transport import LocalClient
+    d = daemon().start()
+    path = protocol.state_dir_endpoints(str(d.state_dir))["local"]
+
+    async def main():
+        client = LocalClient(path, "t")
+        async with trio.open_nursery() as nursery:
+            await nursery.start(client.run)
+            with trio.fail_after(10):
+                while True:
+                    try:
+                        await client.handshake(timeout=2)
+                        break
+                    except RemoteError:
+                        await trio.sleep(0.05)
+            first = client.hello["incarnation"]
+            await trio.to_thread.run_sync(d.stop)
+            with pytest.raises(RemoteError):
+                await client.call("ping", timeout=2)
+            await trio.to_thread.run_sync(d.start)
+            with trio.fail_after(10):
+                while True:
+                    try:
+                        await client.handshake(timeout=2)
+                        break
+                    except RemoteError:
+                        await trio.sleep(0.05)
+            assert client.hello["incarnation"] != first
+            nursery.cancel_scope.cancel()
+
+    trio.run(main, strict_exception_groups=True)

@@ -1,0 +1,174 @@
+"""The control protocol over a unix SOCK_SEQPACKET socket: embedded mode's fast path.
+
+Same messages as the zmq sockets (protocol.py), one per datagram. zmq moves every message
+through its I/O threads: a request and its reply cost eight thread wake-ups between hostd and
+bluecached, most of a FUSE request's latency on two cores. A SEQPACKET socket keeps message
+boundaries and costs two. It also tells the daemon when a client goes away.
+
+Each connection has one reader task and one writer task (the only ones touching the socket).
+"""
+
+import errno
+import itertools
+import logging
+import os
+import socket
+
+import trio
+
+from . import protocol
+
+log = logging.getLogger("bluecached.local")
+
+
+class LocalPeer:
+    """A connected client as ControlServer sees it: an identity and a reply queue."""
+
+    _ids = itertools.count(1)
+
+    def __init__(self, sock):
+        self.sock = sock
+        self.identity = b"local-%d" % next(self._ids)
+        self._send, self._outbox = trio.open_memory_channel(float("inf"))
+
+    def send(self, payload: bytes) -> None:
+        self._send.send_nowait(payload)
+
+    async def write_replies(self) -> None:
+        async for payload in self._outbox:
+            await self.sock.send(payload)
+
+
+async def _serve_peer(sock, server, max_bytes: int) -> None:
+    peer = LocalPeer(sock)
+    server.attach_peer(peer)
+    try:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(peer.write_replies)
+            while True:
+                frame = await sock.recv(max_bytes + 1)
+                if not frame:
+                    break
+                server.on_frame(peer.identity, frame)
+            nursery.cancel_scope.cancel()
+    except OSError as e:
+        log.info("local client went away: %s", e)
+    finally:
+        server.detach_peer(peer)
+        sock.close()
+
+
+async def serve(path: str, server, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+    """Accepts clients at `path` (mode 0600)."""
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+    listener = trio.socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    old = os.umask(0o177)
+    try:
+        await listener.bind(path)
+    finally:
+        os.umask(old)
+    listener.listen(128)
+    task_status.started()
+    # A reply may carry a readdir page: allow well above the request limit.
+    max_bytes = max(server.max_message_bytes, 1 << 20)
+    async with trio.open_nursery() as nursery:
+        try:
+            while True:
+                sock, _ = await listener.accept()
+                nursery.start_soon(_serve_peer, sock, server, max_bytes)
+        finally:
+            listener.close()
+
+
+class LocalClient:
+    """The AsyncClient interface (call, handshake, fail_pending, run) over SEQPACKET.
+
+    run() keeps a connection: it connects (retrying while the daemon is away), reads replies,
+    and on loss fails what is pending and connects again."""
+
+    MAX_REPLY = 16 << 20
+
+    def __init__(self, path: str, client_name: str = ""):
+        self.endpoint = path
+        self.client_name = client_name
+        self._sock = None
+        self._ids = itertools.count(1)
+        self._waiting: dict[int, list] = {}
+        self._send_lock = trio.Lock()
+        self.hello: dict = {}
+
+    async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        task_status.started()
+        while True:
+            sock = trio.socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+            try:
+                await sock.connect(self.endpoint)
+            except OSError:
+                sock.close()
+                await trio.sleep(0.1)
+                continue
+            self._sock = sock
+            try:
+                while True:
+                    frame = await sock.recv(self.MAX_REPLY)
+                    if not frame:
+                        break
+                    self._on_reply(frame)
+            except OSError:
+                pass
+            finally:
+                self._sock = None
+                sock.close()
+                self.fail_pending(errno.ECONNRESET, "connection to bluecached closed")
+
+    def _on_reply(self, frame: bytes) -> None:
+        try:
+            reply = protocol.decode_reply(frame, self.MAX_REPLY)
+        except protocol.ProtocolError:
+            return
+        slot = self._waiting.get(reply.get("id"))
+        if slot is not None:
+            slot[1] = reply
+            slot[0].set()
+
+    def fail_pending(self, err: int, message: str) -> None:
+        for slot in self._waiting.values():
+            if slot[1] is None:
+                slot[1] = {"ok": False, "errno": err, "error": message}
+                slot[0].set()
+
+    async def call(self, op: str, timeout: float | None = None, **args):
+        from .client import RemoteError, _result
+        sock = self._sock
+        if sock is None:
+            raise RemoteError(errno.ECONNREFUSED, f"bluecached is not listening at "
+                                                  f"{self.endpoint}")
+        rid = next(self._ids)
+        slot = [trio.Event(), None]
+        self._waiting[rid] = slot
+        try:
+            with trio.fail_after(timeout) if timeout else _no_deadline():
+                async with self._send_lock:   # one sender at a time on the socket
+                    await sock.send(protocol.encode_request(rid, op, args))
+                await slot[0].wait()
+        except trio.TooSlowError:
+            raise RemoteError(errno.ETIMEDOUT, f"{op}: no reply within {timeout}s") from None
+        except OSError as e:
+            raise RemoteError(errno.ECONNRESET, f"{op}: {e}") from None
+        finally:
+            del self._waiting[rid]
+        return _result(slot[1])
+
+    async def handshake(self, timeout: float | None = 10, replaces: int | None = None) -> dict:
+        args = {"versions": list(protocol.SUPPORTED_VERSIONS), "client": self.client_name}
+        if replaces is not None:
+            args["replaces"] = replaces
+        self.hello = await self.call("hello", timeout=timeout, **args)
+        return self.hello
+
+
+def _no_deadline():
+    return trio.CancelScope()
