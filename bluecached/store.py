@@ -341,6 +341,7 @@ class Store:
                 self._set_size(node, end)
             node.mtime_ns = node.ctime_ns = self.clock()
             obj.version += 1
+        self.tiers.note_foreground_write()
         return length
 
     async def replace(self, fh: int, length: int, region, region_offset: int) -> int:

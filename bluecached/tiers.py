@@ -25,6 +25,8 @@ from .objects import ZERO_CHUNK, StoredObject, chunk_count
 log = logging.getLogger("bluecached.tiers")
 
 WRITEBACK_STALL_S = 10  # a write waiting for write-behind re-checks at least this often
+WRITEBACK_QUIET_S = 0.02      # write-behind waits for this long a pause in foreground writes
+WRITEBACK_MAX_DEFER_S = 2.0   # ... but never longer than this per object
 
 
 @dataclass
@@ -101,7 +103,7 @@ class Tiers:
         self._wb_send, self._wb_recv = trio.open_memory_channel(float("inf"))
         self._space = trio.Event()       # set whenever chunks or extents were freed
         self._pressure = trio.Event()    # wakes the evictor
-        self._checkpointing = False
+        self._last_write = -1e9
 
     # -- journal ---------------------------------------------------------------------------
 
@@ -378,11 +380,25 @@ class Tiers:
         if self.nvme and self.nvme.used_bytes > self.nvme_marks.high * self.nvme.capacity:
             self._pressure.set()
 
+    def note_foreground_write(self) -> None:
+        self._last_write = trio.current_time()
+
+    async def _yield_to_writers(self) -> None:
+        """Write-behind is later by definition: while writes are arriving and DRAM has room,
+        it waits (bounded), so checksums and disk writes do not take the CPU a store needs."""
+        waited = 0.0
+        while (trio.current_time() - self._last_write < WRITEBACK_QUIET_S
+               and self.dram.used_bytes < self.dram_marks.low * self.dram.capacity
+               and waited < WRITEBACK_MAX_DEFER_S):
+            await trio.sleep(WRITEBACK_QUIET_S)
+            waited += WRITEBACK_QUIET_S
+
     async def writeback_worker(self) -> None:
         async for node in self._wb_recv:
             node.obj.queued = False
             if node.obj.writers or not node.obj.dirty:
                 continue  # queued again at its last release, or already written
+            await self._yield_to_writers()
             async with node.obj.content_lock():
                 await self.writeback(node)
 
