@@ -42,7 +42,18 @@ def _socket(ctx: zmq.Context, kind: int, curve: dict | None) -> zmq.Socket:
     return sock
 
 
-class AsyncClient:
+class Handshaking:
+    """The version handshake, for clients with `call` and `client_name`."""
+
+    async def handshake(self, timeout: float | None = 10, replaces: int | None = None) -> dict:
+        args = {"versions": list(protocol.SUPPORTED_VERSIONS), "client": self.client_name}
+        if replaces is not None:
+            args["replaces"] = replaces
+        self.hello = await self.call("hello", timeout=timeout, **args)
+        return self.hello
+
+
+class AsyncClient(Handshaking):
     def __init__(self, endpoint: str, curve: dict | None = None, client_name: str = "",
                  ctx: zmq.Context | None = None):
         self.endpoint = endpoint
@@ -91,13 +102,6 @@ class AsyncClient:
         for slot in self._waiting.values():
             slot[1] = {"ok": False, "errno": err, "error": message}
             slot[0].set()
-
-    async def handshake(self, timeout: float | None = 10, replaces: int | None = None) -> dict:
-        args = {"versions": list(protocol.SUPPORTED_VERSIONS), "client": self.client_name}
-        if replaces is not None:
-            args["replaces"] = replaces
-        self.hello = await self.call("hello", timeout=timeout, **args)
-        return self.hello
 
 
 @contextlib.asynccontextmanager

@@ -17,6 +17,8 @@ import socket
 import trio
 
 from . import protocol
+from .client import Handshaking, RemoteError, _result
+from .unix_listener import serve_private
 
 log = logging.getLogger("bluecached.local")
 
@@ -80,30 +82,13 @@ async def _serve_peer(sock, server, max_bytes: int) -> None:
 
 async def serve(path: str, server, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
     """Accepts clients at `path` (mode 0600)."""
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
-    listener = trio.socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    old = os.umask(0o177)
-    try:
-        await listener.bind(path)
-    finally:
-        os.umask(old)
-    listener.listen(128)
-    task_status.started()
     # A reply may carry a readdir page: allow well above the request limit.
     max_bytes = max(server.max_message_bytes, 1 << 20)
-    async with trio.open_nursery() as nursery:
-        try:
-            while True:
-                sock, _ = await listener.accept()
-                nursery.start_soon(_serve_peer, sock, server, max_bytes)
-        finally:
-            listener.close()
+    await serve_private(path, lambda sock: _serve_peer(sock, server, max_bytes),
+                        task_status=task_status)
 
 
-class LocalClient:
+class LocalClient(Handshaking):
     """The AsyncClient interface (call, handshake, fail_pending, run) over SEQPACKET.
 
     run() keeps a connection: it connects (retrying while the daemon is away), reads replies,
@@ -161,7 +146,6 @@ class LocalClient:
                 slot[0].set()
 
     async def call(self, op: str, timeout: float | None = None, **args):
-        from .client import RemoteError, _result
         sock = self._sock
         if sock is None:
             raise RemoteError(errno.ECONNREFUSED, f"bluecached is not listening at "
@@ -181,13 +165,6 @@ class LocalClient:
         finally:
             del self._waiting[rid]
         return _result(slot[1])
-
-    async def handshake(self, timeout: float | None = 10, replaces: int | None = None) -> dict:
-        args = {"versions": list(protocol.SUPPORTED_VERSIONS), "client": self.client_name}
-        if replaces is not None:
-            args["replaces"] = replaces
-        self.hello = await self.call("hello", timeout=timeout, **args)
-        return self.hello
 
 
 def _no_deadline():

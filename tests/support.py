@@ -420,6 +420,13 @@ def force_unmount(path: Path) -> None:
         subprocess.run(["umount", "-l", str(path)], check=False)
 
 
+def free_port() -> int:
+    """A TCP port free right now on 127.0.0.1 (tests running side by side must not collide)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def wait_settled(daemon: DaemonProcess, timeout: float = 60) -> dict:
     """Waits until write-behind is done and eviction is quiet; returns the last stats."""
     client = daemon.client()

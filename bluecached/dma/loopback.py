@@ -6,7 +6,6 @@ would make the daemon fault (SIGBUS) on the next copy.
 """
 
 import array
-import contextlib
 import ctypes
 import errno
 import fcntl
@@ -18,6 +17,7 @@ import socket
 import msgpack
 import trio
 
+from ..unix_listener import serve_private
 from .engine import DmaEngine, DmaError, Region
 
 MAX_REGION = 1 << 40
@@ -168,22 +168,6 @@ def _handle(table, owner, data: bytes, fds: list[int]) -> dict:
 
 
 async def serve_regions(path: str, table, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
-    """Accepts region registrations at `path` (mode 0600: only the daemon's user may hand it
-    memory)."""
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(path)
-    listener = trio.socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    old_umask = os.umask(0o177)
-    try:
-        await listener.bind(path)
-    finally:
-        os.umask(old_umask)
-    listener.listen(64)
-    task_status.started()
-    async with trio.open_nursery() as nursery:
-        try:
-            while True:
-                conn, _ = await listener.accept()
-                nursery.start_soon(_serve_connection, conn, table)
-        finally:
-            listener.close()
+    """Accepts region registrations at `path` (only the daemon's user may hand it memory)."""
+    await serve_private(path, lambda conn: _serve_connection(conn, table), backlog=64,
+                        task_status=task_status)

@@ -10,7 +10,7 @@ import pytest
 import zmq
 
 from bluecached import protocol
-from support import FileClient, MiB, pattern
+from support import FileClient, MiB, free_port, pattern
 
 
 def ctl(d, *args, check=True) -> subprocess.CompletedProcess:
@@ -45,10 +45,9 @@ def test_control_socket_is_private(daemon):
 
 
 def test_metrics_endpoint(daemon):
-    d = daemon(**{"metrics.listen": "127.0.0.1:0"})
-    d.config.write_text(d.config.read_text().replace("127.0.0.1:0", "127.0.0.1:19464"))
-    d.start()
-    body = urllib.request.urlopen("http://127.0.0.1:19464/metrics", timeout=10).read().decode()
+    port = free_port()
+    d = daemon(**{"metrics.listen": f"127.0.0.1:{port}"}).start()
+    body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
     assert '# TYPE bluecache_tier_bytes gauge' in body
     assert 'bluecache_tier_capacity_bytes{tier="dram"} 268435456' in body
     assert "bluecache_checksum_failures_total 0" in body

@@ -11,7 +11,7 @@ import zmq
 from bluecached import curve, protocol
 from bluecached.client import RemoteError, SyncClient, connect
 from bluecached.namespace import ROOT_INO
-from support import FileClient, MiB
+from support import FileClient, MiB, free_port
 
 BAD_FRAMES = [
     [b""], [b"\xc1"], [b"\x92\x01"],                     # empty, invalid, truncated array
@@ -139,19 +139,20 @@ def test_tcp_with_curve_admits_only_known_clients(daemon, tmp_path):
     (keys / "clients" / "host1.key").write_bytes(pub.read_bytes())
     curve.generate(tmp_path / "other", "server")
     curve.generate(tmp_path / "other", "intruder")
-    daemon(**{"control.listen": "tcp://127.0.0.1:17400",
-              "control.events": "tcp://127.0.0.1:17401",
+    control = f"tcp://127.0.0.1:{free_port()}"
+    daemon(**{"control.listen": control,
+              "control.events": f"tcp://127.0.0.1:{free_port()}",
               "control.curve_dir": str(keys)}).start()
-    client = SyncClient("tcp://127.0.0.1:17400", curve.client_keys(keys, "host1"))
+    client = SyncClient(control, curve.client_keys(keys, "host1"))
     assert client.call("getattr", ino=ROOT_INO)["ino"] == ROOT_INO
     client.close()
     intruder = curve.client_keys(tmp_path / "other", "intruder")
     intruder["server_public"] = curve.client_keys(keys, "host1")["server_public"]
     with pytest.raises(RemoteError) as e:
-        SyncClient("tcp://127.0.0.1:17400", intruder, timeout=1.5)
+        SyncClient(control, intruder, timeout=1.5)
     assert e.value.errno == errno.ETIMEDOUT
     with pytest.raises(RemoteError):    # no keys at all
-        SyncClient("tcp://127.0.0.1:17400", None, timeout=1.5)
+        SyncClient(control, None, timeout=1.5)
 
 
 def test_a_silent_client_loses_its_handles(daemon):
