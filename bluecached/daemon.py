@@ -62,7 +62,10 @@ class Daemon:
         self.cfg = cfg
         self.config_path = config_path
         self.notifier = Notifier()
-        self.engine = make_engine(cfg.engine)
+        try:
+            self.engine = make_engine(cfg.engine)
+        except ValueError as e:
+            raise StartupError(f"engine: {e}") from None
         self.regions = RegionTable(self.engine)
         self.store = build_store(cfg, self.engine)
         self.verifier = Verifier(self.store)

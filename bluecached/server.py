@@ -21,10 +21,6 @@ from .zmqpump import SocketPump
 log = logging.getLogger("bluecached.server")
 
 
-def attrs(node: Inode) -> dict:
-    return node.attrs()
-
-
 class Session:
     __slots__ = ("id", "client", "known", "last_seen")
 
@@ -149,7 +145,7 @@ class ControlServer:
         if not count:
             self.store.reference(node.ino)
         session.known[node.ino] = count + 1
-        return attrs(node)
+        return node.attrs()
 
     def _end_session(self, session: Session) -> int:
         released = self.store.release_session(session.id)
@@ -200,10 +196,10 @@ class ControlServer:
         return {}
 
     async def op_getattr(self, session, ino) -> dict:
-        return attrs(self.store.getattr(ino))
+        return self.store.getattr(ino).attrs()
 
     async def op_setattr(self, session, ino, **changes) -> dict:
-        return attrs(await self.store.setattr(ino, **changes))
+        return (await self.store.setattr(ino, **changes)).attrs()
 
     async def op_mkdir(self, session, parent, name, mode, uid, gid) -> dict:
         return self._known(session, self.store.mkdir(parent, name, mode, uid, gid))
@@ -214,7 +210,7 @@ class ControlServer:
 
     async def op_open(self, session, ino, flags) -> dict:
         handle = await self.store.open(ino, flags, session.id)
-        return {"fh": handle.fh, "attr": attrs(handle.node)}
+        return {"fh": handle.fh, "attr": handle.node.attrs()}
 
     async def _transfer(self, method, fh, offset, length, region, region_offset) -> dict:
         reg = self.regions.acquire(region, region_offset, length)
@@ -282,7 +278,7 @@ class ControlServer:
         children = (store.readdir(node.ino, 0, 1 << 30) if node.is_dir
                     else [(node.name, node, 0)])
         return {"entries": [
-            {"name": name, **attrs(child),
+            {"name": name, **child.attrs(),
              "tier": store.tier_of(child)} for name, child, _ in children]}
 
     async def op_du(self, session, path="/") -> dict:

@@ -63,7 +63,6 @@ class Store:
         self._next_fh = 1
         self.tmp_inos: set[int] = set()
         self.logical_bytes = 0
-        self.verify_progress: dict | None = None
 
     # -- start and stop --------------------------------------------------------------------
 

@@ -42,10 +42,11 @@ class StartupError(Exception):
 
 
 def _endpoints(cfg) -> tuple[str, str, str | None, dict | None]:
-    """control, events, the loopback region socket (embedded only), CURVE keys (tcp only)."""
+    """control, events, the loopback region socket (embedded only), CURVE keys (tcp only).
+    Embedded mode's control endpoint is the local SEQPACKET socket, not zmq."""
     local = protocol.state_dir_endpoints(str(cfg.state_dir))
     link = cfg.daemon
-    control = local["control"] if link.control == "ipc" else link.control
+    control = local["local"] if link.control == "ipc" else link.control
     events = local["events"] if link.events == "ipc" else link.events
     keys = None
     if control.startswith("tcp://"):
@@ -86,8 +87,7 @@ async def run(cfg, path: Path | None, notifier) -> None:
     mountpoint = Path(cfg.mountpoint)
     name = f"hostd@{os.uname().nodename}"
     if cfg.daemon.control == "ipc":   # same machine: the SEQPACKET fast path
-        local = protocol.state_dir_endpoints(str(cfg.state_dir))["local"]
-        client = LocalClient(local, client_name=name)
+        client = LocalClient(control, client_name=name)
     else:
         client = AsyncClient(control, keys, client_name=name)
     link = DaemonLink(client, regions, cfg.mount.staging_slots, cfg.daemon.request_timeout)

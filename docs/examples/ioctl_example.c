@@ -27,6 +27,18 @@ static int shared_buffer(size_t size, unsigned char **map)
 	return *map == MAP_FAILED ? -1 : fd;
 }
 
+static struct bluecache_ioc_xfer memfd_request(int memfd, uint64_t length)
+{
+	struct bluecache_ioc_xfer x;
+	memset(&x, 0, sizeof(x)); /* reserved bytes must be zero */
+	x.version = BLUECACHE_IOCTL_VERSION;
+	x.struct_size = sizeof(x);
+	x.mem_kind = BLUECACHE_MEM_MEMFD;
+	x.fd = memfd;
+	x.length = length;
+	return x;
+}
+
 int main(int argc, char **argv)
 {
 	if (argc != 2) {
@@ -46,13 +58,7 @@ int main(int argc, char **argv)
 	char tmp[4096];
 	snprintf(tmp, sizeof(tmp), "%s.tmp", argv[1]);
 	int fd = open(tmp, O_WRONLY | O_CREAT | O_TRUNC, 0644);
-	struct bluecache_ioc_xfer x;
-	memset(&x, 0, sizeof(x));
-	x.version = BLUECACHE_IOCTL_VERSION;
-	x.struct_size = sizeof(x);
-	x.mem_kind = BLUECACHE_MEM_MEMFD;
-	x.fd = src_fd;
-	x.length = SIZE;
+	struct bluecache_ioc_xfer x = memfd_request(src_fd, SIZE);
 	if (fd < 0 || ioctl(fd, BLUECACHE_IOC_STORE, &x) < 0 || rename(tmp, argv[1]) < 0) {
 		perror("store");
 		return 1;
@@ -60,12 +66,7 @@ int main(int argc, char **argv)
 	close(fd);
 
 	fd = open(argv[1], O_RDONLY);
-	memset(&x, 0, sizeof(x));
-	x.version = BLUECACHE_IOCTL_VERSION;
-	x.struct_size = sizeof(x);
-	x.mem_kind = BLUECACHE_MEM_MEMFD;
-	x.fd = dst_fd;
-	x.length = SIZE;
+	x = memfd_request(dst_fd, SIZE);
 	if (fd < 0 || ioctl(fd, BLUECACHE_IOC_LOAD, &x) < 0) {
 		perror("load");
 		return 1;

@@ -46,7 +46,7 @@ def test_control_socket_is_private(daemon):
 
 def test_metrics_endpoint(daemon):
     port = free_port()
-    d = daemon(**{"metrics.listen": f"127.0.0.1:{port}"}).start()
+    daemon(**{"metrics.listen": f"127.0.0.1:{port}"}).start()
     body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
     assert '# TYPE bluecache_tier_bytes gauge' in body
     assert 'bluecache_tier_capacity_bytes{tier="dram"} 268435456' in body
@@ -170,3 +170,12 @@ def test_watchdog_pings_and_an_unread_notify_socket_never_stalls_the_daemon(daem
     assert client.call("ping") == {}
     client.close()
     assert any("WATCHDOG=1" in m for m in d.drain_notify())
+
+
+def test_an_engine_this_build_lacks_is_a_clear_startup_error(tmp_path):
+    path = tmp_path / "doca.yaml"
+    path.write_text(f"engine: doca\nstate_dir: {tmp_path / 'state'}\n")
+    r = subprocess.run([sys.executable, "-m", "bluecached.daemon", "--config", str(path)],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 1
+    assert "unknown DMA engine 'doca'" in r.stderr and "Traceback" not in r.stderr

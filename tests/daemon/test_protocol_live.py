@@ -215,6 +215,16 @@ def test_local_seqpacket_transport(daemon):
     watcher.close()
 
 
+async def _handshake_when_up(client) -> None:
+    with trio.fail_after(10):
+        while True:
+            try:
+                await client.handshake(timeout=2)
+                return
+            except RemoteError:
+                await trio.sleep(0.05)
+
+
 def test_local_client_reconnects_to_a_restarted_daemon(daemon):
     from bluecached.local_transport import LocalClient
     d = daemon().start()
@@ -224,25 +234,13 @@ def test_local_client_reconnects_to_a_restarted_daemon(daemon):
         client = LocalClient(path, "t")
         async with trio.open_nursery() as nursery:
             await nursery.start(client.run)
-            with trio.fail_after(10):
-                while True:
-                    try:
-                        await client.handshake(timeout=2)
-                        break
-                    except RemoteError:
-                        await trio.sleep(0.05)
+            await _handshake_when_up(client)
             first = client.hello["incarnation"]
             await trio.to_thread.run_sync(d.stop)
             with pytest.raises(RemoteError):
                 await client.call("ping", timeout=2)
             await trio.to_thread.run_sync(d.start)
-            with trio.fail_after(10):
-                while True:
-                    try:
-                        await client.handshake(timeout=2)
-                        break
-                    except RemoteError:
-                        await trio.sleep(0.05)
+            await _handshake_when_up(client)
             assert client.hello["incarnation"] != first
             nursery.cancel_scope.cancel()
 
