@@ -18,8 +18,9 @@ done
 if [ ${#need_apt[@]} -gt 0 ]; then
   echo "setup: installing ${need_apt[*]}" >&2
   export DEBIAN_FRONTEND=noninteractive
-  apt-get update -q
-  apt-get install -y -q --no-install-recommends "${need_apt[@]}"
+  # Waits for another apt run (a parallel setup) instead of failing on the dpkg lock.
+  apt-get -o DPkg::Lock::Timeout=600 update -q
+  apt-get -o DPkg::Lock::Timeout=600 install -y -q --no-install-recommends "${need_apt[@]}"
 fi
 
 python=${PYTHON:-python3}
