@@ -148,8 +148,15 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--nvme-size", help="NVMe tier size, e.g. 64GiB; 0 disables (default 64GiB)")
     s.add_argument("--no-allow-other", action="store_true",
                    help="only the mounting user may use the mount")
+    s.add_argument("--metrics", default="127.0.0.1:9464", metavar="HOST:PORT",
+                   help='Prometheus endpoint (default 127.0.0.1:9464; "" disables it)')
     s = sub.add_parser("keygen", help="create a CURVE key pair for the tcp:// link")
     s.add_argument("--name", default="server", help="'server' on the DPU, a host name on hosts")
+    # `bluecachectl up --state-dir DIR` reads naturally (the README and issue spell it so):
+    # the option is accepted after the command too, and wins there.
+    for command in sub.choices.values():
+        command.add_argument("--state-dir", default=argparse.SUPPRESS,
+                             help="as the option before the command")
     return p
 
 
@@ -165,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "up":
             from hostd.embedded import up
             return up(args.mount, args.state_dir, args.dram_size, args.nvme_size,
-                      not args.no_allow_other)
+                      not args.no_allow_other, args.metrics)
         client = _client(args)
         try:
             return COMMANDS[args.command](client, args)

@@ -74,11 +74,14 @@ def _notify_systemd(message: str) -> None:
             s.send(message.encode())
 
 
+DEFAULT_METRICS = "127.0.0.1:9464"
+
+
 def up(mount: str, state_dir: str, dram_size: str | None, nvme_size: str | None,
-       allow_other: bool = True) -> int:
+       allow_other: bool = True, metrics: str = DEFAULT_METRICS) -> int:
     state = Path(state_dir).resolve()
     state.mkdir(mode=0o700, parents=True, exist_ok=True)
-    overrides = {"state_dir": str(state), "metrics.listen": "127.0.0.1:9464"}
+    overrides = {"state_dir": str(state), "metrics.listen": metrics}
     if dram_size:
         overrides["tiers.dram.size"] = dram_size
     if nvme_size:
@@ -98,7 +101,7 @@ def up(mount: str, state_dir: str, dram_size: str | None, nvme_size: str | None,
             "nvme": {"path": str(cfg.tiers.nvme.path), "size": cfg.tiers.nvme.size,
                      "segment_size": min(cfg.tiers.nvme.segment_size,
                                          max(cfg.tiers.nvme.size, 1 << 20))}},
-        "metrics": {"listen": "127.0.0.1:9464"}}))
+        "metrics": {"listen": cfg.metrics.listen}}))
     hostd_yaml = state / "hostd.yaml"
     hostd_yaml.write_text(yaml.safe_dump({
         "mountpoint": str(Path(mount).resolve()), "state_dir": str(state),
