@@ -7,60 +7,23 @@ Needs root, network access to a Debian mirror (debootstrap and apt) and the tool
 docs/packaging.md; a missing tool fails the test. Takes about 2-3 minutes.
 """
 
-import os
 import shutil
-import subprocess
 import tempfile
 import time
 from pathlib import Path
 
 import pytest
+from debian_tools import MIRROR, ROOT, Container, run, tool
 
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def _apt_mirror() -> str:
-    """The Debian mirror this machine's apt already uses (deb822 or one-line sources)."""
-    for path in sorted(Path("/etc/apt/sources.list.d").glob("*.sources")):
-        for line in path.read_text().splitlines():
-            if line.startswith("URIs:") and "security" not in line:
-                return line.split()[1]
-    listing = Path("/etc/apt/sources.list")
-    if listing.exists():
-        for line in listing.read_text().splitlines():
-            parts = line.split()
-            if len(parts) >= 3 and parts[0] == "deb" and "security" not in parts[1]:
-                return parts[1]
-    raise AssertionError("no Debian mirror in apt's sources: set BLUECACHE_DEBIAN_MIRROR")
-
-
-MIRROR = os.environ.get("BLUECACHE_DEBIAN_MIRROR") or _apt_mirror()
-SYSTEM_PATH = "/usr/sbin:/usr/bin:/sbin:/bin"
 BLOCK = 32 << 20
 
 pytestmark = pytest.mark.slow
 
 
-def _tool(name: str) -> str:
-    path = shutil.which(name, path=SYSTEM_PATH)
-    assert path, f"{name} is missing (see docs/packaging.md for the packages the tests need)"
-    return path
-
-
-def _run(cmd, timeout=600, check=True, **kw) -> subprocess.CompletedProcess:
-    env = {"PATH": SYSTEM_PATH, "LANG": "C.UTF-8", "DEBIAN_FRONTEND": "noninteractive"}
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, **kw)
-    if check:
-        assert r.returncode == 0, \
-            f"{cmd} failed ({r.returncode}):\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
-    return r
-
-
 @pytest.fixture(scope="module")
 def debs(tmp_path_factory):
     out = tmp_path_factory.mktemp("debs")
-    _run(["bash", str(ROOT / "scripts/build-debs.sh"), "--out", str(out)],
-         timeout=900)
+    run(["bash", str(ROOT / "scripts/build-debs.sh"), "--out", str(out)], timeout=900)
     found = {p.name.split("_")[0]: p for p in out.glob("*.deb")}
     assert "bluecache-host" in found, sorted(found)
     return out, found
@@ -69,81 +32,33 @@ def debs(tmp_path_factory):
 def test_lintian_reports_no_errors(debs):
     out, _ = debs
     changes = next(out.glob("*.changes"))
-    r = _run([_tool("lintian"), "--fail-on", "error", str(changes)], check=False)
+    r = run([tool("lintian"), "--fail-on", "error", str(changes)], check=False)
     assert r.returncode == 0, r.stdout + r.stderr
     assert not [line for line in r.stdout.splitlines() if line.startswith("E:")], r.stdout
 
 
 def test_host_package_contents(debs):
     _, found = debs
-    listing = _run(["dpkg-deb", "-c", str(found["bluecache-host"])]).stdout
+    listing = run(["dpkg-deb", "-c", str(found["bluecache-host"])]).stdout
     for path in ("./usr/bin/bluecached", "./usr/bin/bluecache-hostd", "./usr/bin/bluecachectl",
                  "./usr/include/bluecache_ioctl.h", "./lib/systemd/system/bluecached.service",
                  "./lib/systemd/system/bluecache-hostd.service",
                  "./etc/bluecache/bluecached.yaml", "./etc/bluecache/hostd.yaml",
                  "/dist-packages/hostd/_fuse_shim.abi3.so", "/dist-packages/fusefs/operations.py"):
         assert path in listing, path
-    conffiles = _run(["dpkg-deb", "-I", str(found["bluecache-host"]), "conffiles"]).stdout.split()
+    conffiles = run(["dpkg-deb", "-I", str(found["bluecache-host"]), "conffiles"]).stdout.split()
     assert sorted(conffiles) == ["/etc/bluecache/bluecached.yaml", "/etc/bluecache/hostd.yaml"]
-
-
-class Container:
-    """A debootstrapped bookworm booted with systemd-nspawn; commands run via nsenter."""
-
-    def __init__(self, root: Path):
-        self.root = root
-        self.proc = None
-        self.leader = None
-
-    def chroot(self, *cmd: str, timeout=600) -> subprocess.CompletedProcess:
-        """Runs a command in the tree without booting it (host network: apt can download)."""
-        return _run([_tool("systemd-nspawn"), "-q", "-D", str(self.root), "--register=no",
-                     "--keep-unit", *cmd], timeout=timeout)
-
-    def boot(self) -> None:
-        self.proc = subprocess.Popen(
-            [_tool("systemd-nspawn"), "-q", "-b", "-D", str(self.root), "--register=no",
-             "--keep-unit", "--private-network", "--bind=/dev/fuse", "--console=pipe",
-             "systemd.firstboot=off"],
-            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline and self.leader is None:
-            assert self.proc.poll() is None, "systemd-nspawn exited"
-            children = Path(f"/proc/{self.proc.pid}/task/{self.proc.pid}/children")
-            pids = children.read_text().split() if children.exists() else []
-            self.leader = int(pids[0]) if pids else None
-            time.sleep(0.2)
-        assert self.leader, "container did not start"
-        state = ""
-        while time.monotonic() < deadline and state not in ("running", "degraded"):
-            state = self.sh("systemctl is-system-running", check=False).stdout.strip()
-            time.sleep(0.5)
-        assert state in ("running", "degraded"), state
-
-    def sh(self, script: str, check=True, timeout=300) -> subprocess.CompletedProcess:
-        return _run([_tool("nsenter"), "-t", str(self.leader), "-a", "sh", "-ec", script],
-                    check=check, timeout=timeout)
-
-    def close(self) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        self.sh("systemctl poweroff", check=False, timeout=30)
-        try:
-            self.proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(timeout=30)
 
 
 @pytest.fixture
 def container(debs):
-    _tool("debootstrap")
+    tool("debootstrap")
     work = Path(tempfile.mkdtemp(prefix="bluecache-nspawn."))
     root = work / "root"
     c = Container(root)
     try:
-        _run([_tool("debootstrap"), "--variant=minbase", "--include=systemd,dbus", "bookworm",
-              str(root), MIRROR], timeout=900)
+        run([tool("debootstrap"), "--variant=minbase", "--include=systemd,dbus", "bookworm",
+             str(root), MIRROR], timeout=900)
         yield c
     finally:
         c.close()
