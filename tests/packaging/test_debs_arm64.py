@@ -46,7 +46,7 @@ def test_dpu_package_lintian_and_contents(dpu_deb):
     listing = run(["dpkg-deb", "-c", str(deb)]).stdout
     for path in ("./usr/bin/bluecached", "./usr/bin/bluecachectl",
                  "./lib/systemd/system/bluecached.service", "./etc/bluecache/bluecached.yaml",
-                 "/dist-packages/bluecached/daemon.py"):
+                 "/dist-packages/bluecached/daemon.py", "./usr/share/man/man8/bluecached.8.gz"):
         assert path in listing, path
     for absent in ("hostd", "fusefs", "bluecache-hostd", "bluecache_ioctl.h"):
         assert absent not in listing, absent
