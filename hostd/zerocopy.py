@@ -100,27 +100,49 @@ def _describe(buffer) -> abi.Xfer:
 def _describe_cuda(cai: dict) -> abi.Xfer:
     if cai.get("strides") not in (None, ()):
         raise UnsupportedMemory("CUDA memory must be contiguous")
+    driver = _cuda_driver()
+    ptr = int(cai["data"][0])
+    length = int(cai["typestr"][2:])
+    for dim in cai["shape"]:
+        length *= dim
+    if ptr == 0 or length == 0:
+        raise UnsupportedMemory("empty CUDA memory")
+    # The handle names the whole allocation; the offset says where in it the tensor starts.
+    base, _size = _cuda_call(driver, driver.cuMemGetAddressRange(driver.CUdeviceptr(ptr)),
+                             "cuMemGetAddressRange")
+    handle = _cuda_call(driver, driver.cuIpcGetMemHandle(base),
+                        "cuIpcGetMemHandle (IPC needs memory from cudaMalloc/cuMemAlloc; "
+                        "not cudaMallocAsync pools or PyTorch expandable segments)")
+    return abi.Xfer(mem_kind=abi.MEM_CUDA_IPC, mem_offset=ptr - int(base), length=length,
+                    cuda_ipc_handle=_handle_bytes(handle))
+
+
+def _cuda_driver():
     try:
         from cuda.bindings import driver
     except ImportError:
         try:
-            from cuda import cuda as driver
+            from cuda import cuda as driver  # cuda-python < 12.6
         except ImportError:
             raise UnsupportedMemory("CUDA memory needs cuda-python (pip install "
                                     "cuda-python)") from None
-    ptr = cai["data"][0]
-    itemsize = int(cai["typestr"][2:])
-    length = itemsize
-    for dim in cai["shape"]:
-        length *= dim
-    err, base, _size = driver.cuMemGetAddressRange(ptr)
+    return driver
+
+
+def _cuda_call(driver, result, what: str):
+    err, *values = result
     if err != driver.CUresult.CUDA_SUCCESS:
-        raise UnsupportedMemory(f"cuMemGetAddressRange: {err}")
-    err, handle = driver.cuIpcGetMemHandle(base)
-    if err != driver.CUresult.CUDA_SUCCESS:
-        raise UnsupportedMemory(f"cuIpcGetMemHandle: {err} (memory from cudaMalloc only)")
-    return abi.Xfer(mem_kind=abi.MEM_CUDA_IPC, mem_offset=int(ptr) - int(base), length=length,
-                    cuda_ipc_handle=bytes(handle.reserved))
+        _, name = driver.cuGetErrorName(err)
+        raise UnsupportedMemory(f"{what}: {name.decode() if isinstance(name, bytes) else name}")
+    return values[0] if len(values) == 1 else tuple(values)
+
+
+def _handle_bytes(handle) -> bytes:
+    """The 64 opaque bytes of a CUipcMemHandle (cuda-python 13 no longer exposes `reserved`)."""
+    reserved = getattr(handle, "reserved", None)
+    if reserved is not None:
+        return bytes(reserved)
+    return ctypes.string_at(handle.getPtr(), 64)
 
 
 def _ioctl(fd: int, cmd: int, request: bytes) -> bytes:
