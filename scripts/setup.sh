@@ -2,14 +2,16 @@
 # Installs what bluecache needs on a Debian/Ubuntu machine (idempotent):
 # FUSE 3 (the mount), a virtual environment in .venv with the project and its test tools.
 # --test also installs what the packaging tests use (Debian build tools, lintian, systemd's
-# container tools, debootstrap).
+# container tools, debootstrap) and the single-node Ceph cluster (mon, mgr, osd, radosgw) the
+# remote tier's tests run against.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 packages=(fuse3 libfuse3-dev pkg-config gcc)
 if [ "${1:-}" = "--test" ]; then
   packages+=(systemd systemd-container debootstrap lintian dpkg-dev debhelper dh-python
-             pybuild-plugin-pyproject python3-all-dev python3-setuptools python3-cffi)
+             pybuild-plugin-pyproject python3-all-dev python3-setuptools python3-cffi
+             ceph-mon ceph-mgr ceph-osd radosgw ceph-common uuid-runtime)
 fi
 need_apt=()
 for pkg in "${packages[@]}"; do
