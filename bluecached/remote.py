@@ -292,11 +292,10 @@ class RemoteTier:
                 or node.ino in self._queued_inos):
             return
         policy = self.policy.admission
-        if policy == "reread" and reason != "read":
-            return
+        if (policy == "reread") != (reason == "read"):
+            return   # reads admit only under reread, and only reads do
         if policy == "age" and reason != "aged":
-            if reason != "read":
-                self._delayed.append((trio.current_time() + self.policy.admission_age, node))
+            self._delayed.append((trio.current_time() + self.policy.admission_age, node))
             return
         if len(self._queue) >= self.policy.queue_max:
             self.stats.uploads_dropped += 1

@@ -352,7 +352,7 @@ class Store:
             self.tiers.unpin(obj)
         node.atime_ns = self.clock()
         self.tiers.touch(node)
-        if self.remote is not None and not obj.writers:
+        if self.remote is not None and not obj.writers and node.parent is not None:
             self.remote.admit(node, "read")
         return length
 

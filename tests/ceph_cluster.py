@@ -76,18 +76,24 @@ class CephCluster:
                 "addressing_style": "path", **extra}
 
     def write_credentials(self, path: Path) -> Path:
-        path.write_text(f"access_key_id: {ACCESS_KEY}\nsecret_access_key: {SECRET_KEY}\n")
-        path.chmod(0o600)
+        """An AWS-style credentials file, mode 0600 (bluecached refuses looser ones)."""
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(f"[default]\naws_access_key_id = {ACCESS_KEY}\n"
+                    f"aws_secret_access_key = {SECRET_KEY}\n")
         return path
 
     def s3_client(self):
+        """A plain boto3 client for the cluster (what tests use to look behind bluecached)."""
         import boto3
         from botocore.config import Config
+
+        from bluecached.s3 import checksum_options
         return boto3.session.Session().client(
             "s3", endpoint_url=self.endpoint, region_name=REGION,
             aws_access_key_id=ACCESS_KEY, aws_secret_access_key=SECRET_KEY,
             config=Config(s3={"addressing_style": "path"}, retries={"max_attempts": 2},
-                          **_checksum_options()))
+                          **checksum_options()))
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -306,17 +312,6 @@ rgw_dns_name = localhost
             with contextlib.suppress(FileNotFoundError):
                 (self.root / "pids" / name).unlink()
         self.rgw = None
-
-
-def _checksum_options() -> dict:
-    """botocore >= 1.36 adds CRC checksums (aws-chunked trailers) to uploads by default, which
-    older S3 servers such as Ceph 16's radosgw reject; ask for them only where required. Older
-    botocore (Debian bookworm's 1.29) has neither option nor the behaviour."""
-    from botocore.config import Config
-    if "request_checksum_calculation" in Config.OPTION_DEFAULTS:
-        return {"request_checksum_calculation": "when_required",
-                "response_checksum_validation": "when_required"}
-    return {}
 
 
 def main(argv: list[str]) -> int:
