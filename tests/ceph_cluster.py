@@ -201,7 +201,7 @@ keyring = {r}/admin.keyring
 
 [client.rgw.a]
 keyring = {r}/rgw.keyring
-rgw_frontends = beast endpoint=127.0.0.1:{self.rgw_port}
+rgw_frontends = beast endpoint=127.0.0.1:{self.rgw_port} tcp_nodelay=1
 rgw_data = {r}/rgw
 rgw_dns_name = localhost
 """)
