@@ -233,6 +233,39 @@ def as_host_port(*, optional: bool = False) -> Parser:
     return parse
 
 
+def as_flag() -> Parser:
+    """true/false (YAML's on/off, yes/no too)."""
+
+    def parse(value: Any) -> bool:
+        if isinstance(value, bool):
+            return value
+        raise ValueError(f"expected true or false, got {_show(value)}")
+
+    return parse
+
+
+def as_count(*, minimum: int = 0, maximum: int = 1 << 31) -> Parser:
+    def parse(value: Any) -> int:
+        if isinstance(value, int) and not isinstance(value, bool) and minimum <= value <= maximum:
+            return value
+        raise ValueError(f"expected a whole number from {minimum} to {maximum}, "
+                         f"got {_show(value)}")
+
+    return parse
+
+
+def as_text(*, pattern: str = r".*", wanted: str = "a string") -> Parser:
+    """A string matching `pattern` (whole); `wanted` says what in errors."""
+    regex = re.compile(pattern, re.ASCII)
+
+    def parse(value: Any) -> str:
+        if isinstance(value, str) and regex.fullmatch(value):
+            return value
+        raise ValueError(f"expected {wanted}, got {_show(value)}")
+
+    return parse
+
+
 # ---------------------------------------------------------------------------------------------
 # Schema machinery.
 
@@ -442,6 +475,16 @@ def _watermarks(high: float, low: float) -> dict[str, Field]:
     }
 
 
+def _remote_complete(remote: Any) -> tuple[str, str] | None:
+    if remote.enabled and not remote.bucket:
+        return "bucket", "expected a bucket name when the remote tier is enabled, got nothing"
+    if remote.part_size > remote.multipart_threshold:
+        return "part_size", (f"expected at most multipart_threshold "
+                             f"({_format_size(remote.multipart_threshold)}), "
+                             f"got {_format_size(remote.part_size)}")
+    return None
+
+
 BLUECACHED = Schema("Config", (
     "bluecached configuration.\n"
     "\n"
@@ -500,6 +543,65 @@ BLUECACHED = Schema("Config", (
                          "Orphaned *.tmp files older than this are removed; 0 disables this."),
     "journal_max_bytes": Field(as_size(minimum=1), "64MiB",
                                "The index journal is compacted into a snapshot past this size."),
+    "remote": Schema("RemoteConfig", (
+        "Remote tier: an S3 bucket shared by many hosts (Ceph RGW, AWS S3, SeaweedFS ...). Files "
+        "are stored under their path below the mount; see docs/operations.md."), {
+        "enabled": Field(as_flag(), False, "Use the remote tier."),
+        "endpoint": Field(as_text(pattern=r"(https?://[^\s/]+(/[^\s]*)?)?",
+                                  wanted='"" (AWS) or an http:// or https:// URL'), "",
+                          'S3 endpoint URL, e.g. "https://rgw.example:7480"; "" means AWS S3 '
+                          "in `region`."),
+        "bucket": Field(as_text(pattern=r"([a-z0-9][a-z0-9.\-]{1,61}[a-z0-9])?",
+                                wanted="an S3 bucket name (3-63 of a-z 0-9 . -)"), "",
+                        "Bucket (it must exist; bluecached does not create it)."),
+        "prefix": Field(as_text(pattern=r"[^\x00-\x1f]{0,512}",
+                                wanted="a key prefix (printable, at most 512 bytes)"), "",
+                        'Key prefix, e.g. "kv/"; "/" is added if it lacks one.'),
+        "region": Field(as_text(pattern=r"[a-z0-9\-]{1,64}", wanted="a region name"),
+                        "us-east-1", "Region used for signing requests."),
+        "credentials_file": Field(as_path(optional=True), None,
+                                  "AWS-style credentials file ([default] aws_access_key_id, "
+                                  "aws_secret_access_key); it must be mode 0600 or stricter. "
+                                  "null uses botocore's default chain (environment, "
+                                  "instance role)."),
+        "ca_bundle": Field(as_path(optional=True), None,
+                           "PEM file of CA certificates for https endpoints; null uses the "
+                           "system's."),
+        "verify_tls": Field(as_flag(), True, "Check the endpoint's TLS certificate."),
+        "addressing_style": Field(as_choice("auto", "path", "virtual"), "auto",
+                                  "Bucket in the path or in the host name; most non-AWS "
+                                  "endpoints want path."),
+        "timeout": Field(as_duration(), "5s",
+                         "Connect and read timeout of each S3 request; a request that gets no "
+                         "answer marks the tier unreachable."),
+        "admission": Field(as_choice("all", "reread", "age"), "all",
+                           "Which files are uploaded: all (once written), reread (once read "
+                           "again after being written) or age (those still cached "
+                           "admission_age after being written)."),
+        "admission_age": Field(as_duration(), "30s", "The age for admission: age."),
+        "queue_max": Field(as_count(minimum=1), 1024,
+                           "Uploads waiting at most; past it new ones are dropped and counted."),
+        "upload_workers": Field(as_count(minimum=1, maximum=64), 2, "Concurrent uploads."),
+        "part_size": Field(as_size(minimum=5 * MiB, maximum=5 * GiB), "8MiB",
+                           "Part size of multipart uploads and ranged downloads."),
+        "multipart_threshold": Field(as_size(minimum=5 * MiB), "16MiB",
+                                     "Objects larger than this are uploaded in parts and "
+                                     "downloaded in parallel ranges."),
+        "part_concurrency": Field(as_count(minimum=1, maximum=64), 4,
+                                  "Parts moved at once for one object."),
+        "negative_ttl": Field(as_duration(), "2s",
+                              "A name the remote tier lacked is not asked for again this long."),
+        "retry_interval": Field(as_duration(), "5s",
+                                "While unreachable, probe the endpoint this often."),
+        "max_bytes": Field(as_size(), 0,
+                           "Remote capacity under the prefix; the oldest objects are deleted "
+                           "past it (down to 90%). 0: unbounded."),
+        "max_age": Field(as_duration(), 0,
+                         "Objects older than this are deleted. 0: kept until max_bytes."),
+        "enforce_interval": Field(as_duration(), "1m",
+                                  "How often max_bytes and max_age are enforced (one listing "
+                                  "of the prefix each time)."),
+    }, check=_remote_complete),
     "metrics": Schema("MetricsConfig", "Prometheus metrics.", {
         "listen": Field(as_host_port(optional=True), "127.0.0.1:9464",
                         'HTTP endpoint "HOST:PORT" for /metrics; "" or null disables it.'),

@@ -40,6 +40,16 @@ def cmd_status(client, args) -> int:
     for key in ("engine", "control", "events", "state_dir", "nvme_path", "o_direct",
                 "write_policy", "durability", "sessions"):
         print(f"  {key:13} {status[key]}")
+    remote = status.get("remote")
+    if remote:
+        state = "reachable" if remote["reachable"] else "UNREACHABLE"
+        print(f"  {'remote':13} {state}: {remote['endpoint']} bucket {remote['bucket']} "
+              f"prefix {remote['prefix'] or '(none)'}, admission {remote['admission']}")
+        print(f"  {'':13} queue {remote['queue']}/{remote['queue_max']}, "
+              f"{remote['dropped']} dropped")
+        if remote["last_error"]:
+            print(f"  {'':13} last error {remote['last_error_age_s']}s ago: "
+                  f"{remote['last_error']}")
     return 0
 
 

@@ -54,7 +54,42 @@ def build_store(cfg, engine) -> Store:
                   journal, cfg.write_policy == "write-through", cfg.journal_max_bytes,
                   remove_object=lambda node, reason: store.remove_object(node, reason))
     store = Store(tiers, engine, tmp_max_age=cfg.tmp_max_age)
+    if cfg.remote.enabled:
+        store.attach_remote(build_remote(cfg.remote))
     return store
+
+
+def build_remote(rc):
+    """The remote tier from the `remote:` section; problems are StartupErrors."""
+    from .remote import RemotePolicy, RemoteTier
+    try:
+        from . import s3
+    except ImportError as e:   # boto3 is the package's recommendation, not a hard dependency
+        raise StartupError(f"remote tier: {e} (install python3-boto3)") from None
+    credentials = None
+    if rc.credentials_file is not None:
+        try:
+            credentials = s3.load_credentials(rc.credentials_file)
+        except ValueError as e:
+            raise StartupError(f"remote tier: {e}") from None
+    connections = rc.upload_workers * rc.part_concurrency + 2 * rc.part_concurrency + 8
+    try:
+        client = s3.make_client(rc.endpoint, rc.region, credentials, rc.ca_bundle,
+                                rc.verify_tls, rc.addressing_style, rc.timeout, connections)
+    except ImportError as e:
+        raise StartupError(f"remote tier: {e} (install python3-boto3)") from None
+    except ValueError as e:   # botocore's complaint about an endpoint or a setting
+        raise StartupError(f"remote tier: {e}") from None
+    prefix = rc.prefix if not rc.prefix or rc.prefix.endswith("/") else rc.prefix + "/"
+    policy = RemotePolicy(
+        prefix=prefix, admission=rc.admission, admission_age=rc.admission_age,
+        queue_max=rc.queue_max, upload_workers=rc.upload_workers,
+        negative_ttl=rc.negative_ttl, retry_interval=rc.retry_interval,
+        max_bytes=rc.max_bytes, max_age=rc.max_age, enforce_interval=rc.enforce_interval,
+        describe={"endpoint": rc.endpoint or f"AWS S3 ({rc.region})", "bucket": rc.bucket})
+    store = s3.S3Store(client, rc.bucket, rc.part_size, rc.multipart_threshold,
+                       rc.part_concurrency)
+    return RemoteTier(store, policy)
 
 
 class Daemon:
@@ -96,6 +131,11 @@ class Daemon:
             bad_messages=server.bad_messages if server else 0,
             open_handles=len(self.store.handles),
             regions=len(self.regions))
+        remote = self.store.remote
+        if remote is not None:
+            out["tiers"]["remote"] = remote.tier_stats()
+            out["remote"] = {"up": int(remote.reachable), "queue_length": remote.queue_length(),
+                             **remote.stats.as_dict()}
         return out
 
     def status(self) -> dict:
@@ -108,7 +148,8 @@ class Daemon:
                 "o_direct": bool(tiers.nvme and tiers.nvme.o_direct),
                 "nvme_path": str(cfg.tiers.nvme.path) if tiers.nvme else None,
                 "sessions": len(self.server.sessions) if self.server else 0,
-                "verify": self.verifier.progress(), "summary": self.summary()}
+                "verify": self.verifier.progress(), "summary": self.summary(),
+                "remote": self.store.remote.status() if self.store.remote else None}
 
     def summary(self) -> str:
         tiers = self.store.tiers
@@ -117,6 +158,10 @@ class Daemon:
                 f"dram {tiers.dram.used_bytes / gib:.1f}/{tiers.dram.capacity / gib:.1f} GiB")
         if tiers.nvme is not None:
             text += f"; nvme {tiers.nvme.used_bytes / gib:.1f}/{tiers.nvme.capacity / gib:.1f} GiB"
+        remote = self.store.remote
+        if remote is not None:
+            text += (f"; remote {'up' if remote.reachable else 'DOWN'}, "
+                     f"{remote.queue_length()} queued")
         return text + f"; engine {self.engine.name}"
 
     # -- sockets ---------------------------------------------------------------------------
@@ -223,6 +268,9 @@ class Daemon:
         for _ in range(WRITEBACK_WORKERS if tiers.nvme else 0):
             services.start_soon(tiers.writeback_worker)
         services.start_soon(tiers.evictor)
+        if self.store.remote is not None:
+            await services.start(self.store.remote.run)
+            self.store.remote.admit_persisted()
         services.start_soon(self.store.maintain)
         services.start_soon(self._report_status)
         tiers.kick_writeback_all()
@@ -266,6 +314,8 @@ class Daemon:
                 tiers.nvme.close()
             if tiers.journal is not None:
                 tiers.journal.close()
+            if self.store.remote is not None:
+                await trio.to_thread.run_sync(self.store.remote.s3.close)
             log.info("stopped cleanly; %s", self.summary())
 
 

@@ -20,6 +20,7 @@ FILE = "F"    # (F, ino, parent, name, mode, uid, gid, atime, mtime, ctime, size
 MOVE = "M"    # (M, ino, parent, name)
 ATTR = "A"    # (A, ino, mode, uid, gid, atime, mtime, ctime)
 DROP = "X"    # (X, ino)
+REMOTE = "R"  # (R, ino)   the file's persisted content is also in the remote tier
 
 INO_BOOT_SHIFT = 40  # 2**40 inode numbers per boot: never reused across restarts
 
@@ -50,11 +51,16 @@ def drop_record(ino: int) -> tuple:
     return (DROP, ino)
 
 
+def remote_record(ino: int) -> tuple:
+    return (REMOTE, ino)
+
+
 @dataclass
 class Replayed:
     """What replay found: the persisted files' placement on NVMe, and the boot counter."""
     boot: int = 0
     files: dict[int, tuple[int, Extent | None, bytes]] = field(default_factory=dict)
+    remote: set[int] = field(default_factory=set)   # files whose content is also remote
     skipped: int = 0
 
 
@@ -77,6 +83,7 @@ class _Replayer:
                 parent.nlink -= 1
         self.ns.inodes.pop(ino, None)
         self.out.files.pop(ino, None)
+        self.out.remote.discard(ino)
 
     def place(self, node: Inode, parent_ino: int, name: bytes) -> bool:
         parent = self.ns.inodes.get(parent_ino)
@@ -118,8 +125,10 @@ class _Replayer:
                 size, off, length, crcs = rec[10:14]
                 node.size = size
                 self.out.files[ino] = (size, Extent(off, length) if length else None, crcs)
+                self.out.remote.discard(ino)   # new content: not the one uploaded
         elif tag == MOVE:
             node = self.ns.inodes.get(rec[1])
+            self.out.remote.discard(rec[1])   # the remote copy is under the old name
             if node is not None:
                 self.place(node, rec[2], rec[3])
         elif tag == ATTR:
@@ -129,6 +138,9 @@ class _Replayer:
                  node.atime_ns, node.mtime_ns, node.ctime_ns) = rec[2:8]
         elif tag == DROP:
             self.drop(rec[1])
+        elif tag == REMOTE:
+            if rec[1] in self.out.files:
+                self.out.remote.add(rec[1])
         else:
             self.out.skipped += 1
             log.warning("index: unknown record %r ignored", tag)
@@ -148,7 +160,7 @@ def replay(ns: Namespace, records) -> Replayed:
 
 
 def snapshot_records(ns: Namespace, persisted: dict[int, tuple[Extent | None, bytes]],
-                     boot: int) -> list:
+                     boot: int, remote: set[int] = frozenset()) -> list:
     """The records that rebuild the current persisted state: directories before their
     children, only files whose current content is on NVMe."""
     out = [(BOOT, boot)]
@@ -160,4 +172,6 @@ def snapshot_records(ns: Namespace, persisted: dict[int, tuple[Extent | None, by
         elif node.ino in persisted:
             extent, crcs = persisted[node.ino]
             out.append(file_record(node, extent, crcs))
+            if node.ino in remote:
+                out.append(remote_record(node.ino))
     return out

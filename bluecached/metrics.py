@@ -30,6 +30,24 @@ _GLOBAL_METRICS = [
     ("open_handles", "gauge", "Open file handles"),
     ("regions", "gauge", "Registered DMA regions"),
 ]
+# The remote tier's own state, when it is configured (stats["remote"]).
+_REMOTE_METRICS = [
+    ("up", "gauge", "1 while the S3 endpoint answers, 0 while it is unreachable"),
+    ("queue_length", "gauge", "Uploads waiting"),
+    ("uploads", "counter", "Objects uploaded"),
+    ("upload_bytes", "counter", "Bytes uploaded"),
+    ("uploads_dropped", "counter", "Uploads dropped because the queue was full"),
+    ("upload_failures", "counter", "Uploads that failed for good"),
+    ("lookups", "counter", "Local misses looked up in the remote tier"),
+    ("negative_hits", "counter", "Lookups answered by the negative cache"),
+    ("skipped_down", "counter", "Lookups answered as misses while unreachable"),
+    ("fetches", "counter", "Objects fetched"),
+    ("fetch_bytes", "counter", "Bytes fetched"),
+    ("fetch_failures", "counter", "Fetches that failed (the reader got EIO)"),
+    ("checksum_failures", "counter", "Remote objects whose CRC32C did not match"),
+    ("capacity_deletes", "counter", "Objects deleted to keep within max_bytes / max_age"),
+    ("errors", "counter", "Failed S3 requests"),
+]
 
 
 def render(stats: dict) -> str:
@@ -43,6 +61,10 @@ def render(stats: dict) -> str:
     for name, kind, text in _GLOBAL_METRICS:
         metric = f"bluecache_{name}" + ("_total" if kind == "counter" else "")
         lines += [f"# HELP {metric} {text}.", f"# TYPE {metric} {kind}", f"{metric} {stats[name]}"]
+    remote = stats.get("remote")
+    for name, kind, text in _REMOTE_METRICS if remote else ():
+        metric = f"bluecache_remote_{name}" + ("_total" if kind == "counter" else "")
+        lines += [f"# HELP {metric} {text}.", f"# TYPE {metric} {kind}", f"{metric} {remote[name]}"]
     return "\n".join(lines) + "\n"
 
 

@@ -25,6 +25,9 @@ class StoredObject:
         "deferred",    # chunks freed while pinned, returned to the pool at unpin
         "lock",        # serialises changes to the content (write, truncate, promotion)
         "queued",      # waiting for write-behind
+        "remote_version",  # the content version the remote tier holds (-1: none known)
+        "remote_info",     # a placeholder's S3 object (content only remote), else None
+        "uploading",       # trio.Event while an upload reads the chunks; writes wait for it
     )
 
     def __init__(self):
@@ -40,6 +43,9 @@ class StoredObject:
         self.deferred: list = []
         self.lock: trio.Lock | None = None
         self.queued = False
+        self.remote_version = -1
+        self.remote_info = None
+        self.uploading: trio.Event | None = None
 
     def content_lock(self) -> trio.Lock:
         if self.lock is None:

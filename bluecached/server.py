@@ -181,7 +181,7 @@ class ControlServer:
         return {}
 
     async def op_lookup(self, session, parent, name) -> dict:
-        return self._known(session, self.store.lookup(parent, name))
+        return self._known(session, await self.store.find(parent, name))
 
     async def op_forget(self, session, inos, counts) -> dict:
         if len(inos) != len(counts):

@@ -63,6 +63,11 @@ class Store:
         self._next_fh = 1
         self.tmp_inos: set[int] = set()
         self.logical_bytes = 0
+        self.remote = None   # a RemoteTier when the remote tier is configured
+
+    def attach_remote(self, remote) -> None:
+        self.remote = remote
+        remote.store = self
 
     # -- start and stop --------------------------------------------------------------------
 
@@ -87,6 +92,8 @@ class Store:
             obj = node.obj = StoredObject()
             obj.chunks = None
             obj.extent, obj.crcs, obj.persisted = extent, crcs, True
+            if ino in replayed.remote:
+                obj.remote_version = obj.version
             self.logical_bytes += size
             self._note_name(node)
             by_atime.append(node)
@@ -112,7 +119,9 @@ class Store:
     def _snapshot(self) -> list:
         persisted = {n.ino: (n.obj.extent, n.obj.crcs)
                      for n in self.tiers.lru_nvme.values() if n.obj.persisted}
-        return index.snapshot_records(self.ns, persisted, self.boot)
+        remote = {ino for ino in persisted
+                  if self.ns.inodes[ino].obj.remote_version == self.ns.inodes[ino].obj.version}
+        return index.snapshot_records(self.ns, persisted, self.boot, remote)
 
     def checkpoint(self) -> None:
         """Snapshot the index now (shutdown)."""
@@ -183,6 +192,47 @@ class Store:
     def lookup(self, parent: int, name: bytes) -> Inode:
         return self.ns.lookup(parent, name)
 
+    async def find(self, parent: int, name: bytes) -> Inode:
+        """A client's lookup: the namespace, then the remote tier (a miss stays ENOENT)."""
+        try:
+            return self.ns.lookup(parent, name)
+        except FsError as e:
+            if e.errno != errno.ENOENT or self.remote is None:
+                raise
+        return await self.remote.lookup(parent, name)
+
+    def mkdir_like_parent(self, parent: int, name: bytes) -> Inode:
+        """A directory the remote tier has: owned and permissioned like its parent."""
+        p = self.ns.get(parent)
+        return self.mkdir(parent, name, p.mode, p.uid, p.gid)
+
+    def add_placeholder(self, parent: int, name: bytes, info) -> Inode:
+        """A file the remote tier has: its size now, its bytes on first read (`_load`)."""
+        p = self.ns.get(parent)
+        node = self.ns.add(parent, name, stat.S_IFREG | 0o644, p.uid, p.gid)
+        node.size = info.size
+        node.mtime_ns = node.ctime_ns = int(info.mtime * 1e9)
+        obj = node.obj = StoredObject()
+        obj.chunks = None
+        obj.remote_info = info
+        obj.remote_version = obj.version
+        self.logical_bytes += info.size
+        return node
+
+    async def _load(self, node: Inode) -> None:
+        """Makes the content resident: from NVMe, or from the remote tier. Caller holds the
+        content lock."""
+        if node.obj.remote_info is not None:
+            await self.remote.fetch(node)
+        else:
+            await self.tiers.promote(node)
+
+    @staticmethod
+    async def _wait_upload(obj: StoredObject) -> None:
+        """An upload reads the chunks in place: changing them waits until it is done."""
+        while obj.uploading is not None:
+            await obj.uploading.wait()
+
     def getattr(self, ino: int) -> Inode:
         return self.ns.get(ino)
 
@@ -222,7 +272,9 @@ class Store:
             if size == node.size:
                 return
             if size and obj.chunks is None:
-                await self.tiers.promote(node)
+                await self._load(node)
+            await self._wait_upload(obj)
+            obj.remote_info = None
             self.tiers.begin_modify(node)
             if obj.chunks is None:
                 obj.chunks = []
@@ -287,7 +339,7 @@ class Store:
             raise FsError(errno.EINVAL, "negative offset or length")
         async with obj.content_lock():  # waits out a promotion or a write in progress
             if obj.chunks is None:
-                await self.tiers.promote(node)
+                await self._load(node)
             else:
                 self.tiers.stats.dram.hits += 1
             length = max(0, min(length, node.size - offset))
@@ -300,6 +352,8 @@ class Store:
             self.tiers.unpin(obj)
         node.atime_ns = self.clock()
         self.tiers.touch(node)
+        if self.remote is not None and not obj.writers and node.parent is not None:
+            self.remote.admit(node, "read")
         return length
 
     async def write(self, fh: int, offset: int, length: int, region, region_offset: int) -> int:
@@ -316,7 +370,8 @@ class Store:
         obj = node.obj
         async with obj.content_lock():
             if obj.chunks is None:
-                await self.tiers.promote(node)
+                await self._load(node)
+            await self._wait_upload(obj)
             self.tiers.begin_modify(node)
             end = offset + length
             first, last = offset // CHUNK_SIZE, (end - 1) // CHUNK_SIZE
@@ -366,6 +421,7 @@ class Store:
         if tail:
             chunks[-1][tail:] = bytes(CHUNK_SIZE - tail)  # past EOF reads as zeros
         async with obj.content_lock():
+            obj.remote_info = None
             self.tiers.begin_modify(node)
             old, obj.chunks = obj.chunks, chunks
             if old is not None:
@@ -382,7 +438,7 @@ class Store:
         obj = node.obj
         async with obj.content_lock():
             if obj.chunks is None:
-                await self.tiers.promote(node)
+                await self._load(node)
             self.tiers.pin(obj)
         try:
             return await trio.to_thread.run_sync(_crc_of, views(obj.chunks, 0, node.size)), node
@@ -408,6 +464,8 @@ class Store:
             obj.writers -= 1
             if not obj.writers:
                 self.tiers.queue_writeback(node)
+                if self.remote is not None:
+                    self.remote.admit(node, "written")
         self._maybe_destroy(node)
 
     def reference(self, ino: int) -> None:
@@ -430,8 +488,14 @@ class Store:
             self.release(fh)
         return len(fhs)
 
+    def _remote_key(self, node: Inode) -> str | None:
+        return self.remote.key_of(node) if self.remote is not None else None
+
     def unlink(self, parent: int, name: bytes) -> None:
+        key = self._remote_key(self.ns.lookup(parent, name))
         node = self.ns.unlink(parent, name)
+        if self.remote is not None:
+            self.remote.forget_copy(node, key)
         self._unlinked(node)
 
     def rmdir(self, parent: int, name: bytes) -> None:
@@ -440,7 +504,12 @@ class Store:
 
     def rename(self, parent: int, name: bytes, new_parent: int, new_name: bytes,
                flags: int = 0) -> None:
+        old_key = self._remote_key(self.ns.lookup(parent, name))
         node, replaced = self.ns.rename(parent, name, new_parent, new_name, flags)
+        if self.remote is not None and not node.is_dir:
+            self.remote.forget_copy(node, old_key, renamed=True)
+            if not node.obj.writers:
+                self.remote.admit(node, "written")
         if replaced is not None:
             if replaced.is_dir:
                 self.tiers.log(index.drop_record(replaced.ino))
@@ -499,7 +568,10 @@ class Store:
         obj = node.obj
         if obj is None:
             return "dir"
-        where = [t for t, here in (("dram", obj.resident), ("nvme", obj.persisted)) if here]
+        in_remote = obj.remote_info is not None or (
+            self.remote is not None and obj.remote_version == obj.version)
+        where = [t for t, here in (("dram", obj.resident), ("nvme", obj.persisted),
+                                   ("remote", in_remote)) if here]
         return "+".join(where) or "none"
 
     async def collect_orphans(self) -> int:

@@ -364,6 +364,8 @@ class Tiers:
             return False
         obj.extent, obj.crcs, obj.persisted = extent, crcs, True
         self.log(index.file_record(node, extent, crcs))
+        if obj.remote_version == version:   # uploaded (or fetched) before it reached NVMe
+            self.log(index.remote_record(node.ino))
         obj.dirty = False
         self.dirty_bytes -= size
         self.lru_nvme[node.ino] = node

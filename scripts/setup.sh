@@ -2,7 +2,8 @@
 # Installs what bluecache needs on a Debian/Ubuntu machine (idempotent):
 # FUSE 3 (the mount), a virtual environment in .venv with the project and its test tools.
 # --test also installs what the packaging tests use (Debian build tools, lintian, systemd's
-# container tools, debootstrap, qemu-user for the arm64 package).
+# container tools, debootstrap, qemu-user for the arm64 package) and the single-node Ceph
+# cluster (mon, mgr, osd, radosgw) the remote tier's tests run against.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -10,7 +11,8 @@ packages=(fuse3 libfuse3-dev pkg-config gcc)
 if [ "${1:-}" = "--test" ]; then
   packages+=(systemd systemd-container debootstrap qemu-user-static binfmt-support
              lintian dpkg-dev debhelper dh-python
-             pybuild-plugin-pyproject python3-all-dev python3-setuptools python3-cffi)
+             pybuild-plugin-pyproject python3-all-dev python3-setuptools python3-cffi
+             ceph-mon ceph-mgr ceph-osd radosgw ceph-common uuid-runtime)
 fi
 need_apt=()
 for pkg in "${packages[@]}"; do

@@ -74,3 +74,31 @@ def mounted(tmp_path, daemon):
     for s in stacks:
         bad = s.hostd.unexpected_log_lines(s.hostd.allowed_log)
         assert not bad, "unexpected warnings in hostd's log:\n" + "\n".join(bad)
+
+
+@pytest.fixture(scope="session")
+def ceph(tmp_path_factory):
+    """One real single-node Ceph cluster (mon, mgr, OSD, radosgw) for the session's remote-tier
+    tests; stopped, every daemon, when the session ends."""
+    from ceph_cluster import CephCluster, available
+
+    problem = available()
+    if problem:
+        pytest.fail(f"the remote tier's tests need Ceph: {problem}")
+    cluster = CephCluster(tmp_path_factory.mktemp("ceph"))
+    cluster.start()
+    yield cluster
+    cluster.stop()
+
+
+@pytest.fixture
+def bucket(ceph, tmp_path):
+    """A fresh bucket on the cluster and a credentials file for it: (name, path)."""
+    import uuid
+
+    name = f"bc-{uuid.uuid4().hex[:16]}"
+    if ceph.rgw is None:   # a test that killed radosgw failed before restarting it
+        ceph.start_rgw()
+    ceph.s3_client().create_bucket(Bucket=name)
+    creds = ceph.write_credentials(tmp_path / "s3-credentials")
+    return name, creds

@@ -1,0 +1,296 @@
+#!/usr/bin/env python3
+"""The remote (S3) tier through bluecached against the plain S3 client, on a real Ceph radosgw.
+
+One run starts a single-node Ceph cluster (tests/ceph_cluster.py: mon, mgr, memstore OSD,
+radosgw on loopback) and two complete embedded instances A and B (bluecached + hostd, each its
+own state dir and mount) sharing one bucket, then measures in the same run:
+
+  per object (--objects, 32 MiB each, interleaved, medians)
+    raw_put          boto3 put_object of the bytes (one PUT, bytes in memory)
+    store_upload     bluecached on A: create + write + release through the protocol, until A's
+                     remote tier reports the upload done (admission: all)
+    raw_get          boto3 get_object + read of the same bytes
+    remote_fetch     bluecached on B (object only remote): lookup + open + one read into the
+                     client's registered region + release: HEAD, GET (parallel ranges),
+                     CRC32C check, the engine's copy into the region
+  prefix read (--prefix-blocks, 64 by default)
+    raw_io           boto3 GETs of the 64 objects one after another (just the transfers)
+    host_b_read      host B reads the prefix that host A wrote, through its mount, as the llm-d
+                     backend does: os.path.exists then open/read per block
+
+Ratios: raw_put / store_upload and raw_get / remote_fetch (target >= 0.9), raw_io /
+host_b_read. Results: docs/benchmarks/remote.{json,png,md}.
+
+    python bench/remote_bench.py            # full run, ~3 minutes on 2 cores
+    python bench/remote_bench.py --quick    # smoke test, results to /tmp/bluecache-bench-quick/
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT))
+
+from ceph_cluster import CephCluster  # noqa: E402
+from connectors import block_name, llmd_read, llmd_write  # noqa: E402
+from support import DaemonProcess, FileClient, HostdProcess, force_unmount  # noqa: E402
+
+MiB = 1 << 20
+OBJECT = 32 * MiB
+
+
+def machine() -> dict:
+    model = "unknown"
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            model = line.split(":", 1)[1].strip()
+            break
+    import boto3
+    import botocore
+    ceph = subprocess.run(["ceph", "--version"], capture_output=True, text=True).stdout.strip()
+    commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True,
+                            text=True).stdout.strip()
+    mem = int(Path("/proc/meminfo").read_text().split()[1]) * 1024
+    return {"platform": platform.platform(), "cpu_model": model, "cores": os.cpu_count(),
+            "memory_bytes": mem, "python": platform.python_version(), "boto3": boto3.__version__,
+            "botocore": botocore.__version__, "ceph": ceph, "commit": commit}
+
+
+def remote_stats(daemon: DaemonProcess) -> dict:
+    client = daemon.client()
+    try:
+        return client.call("stats")["remote"]
+    finally:
+        client.close()
+
+
+def wait_uploads(daemon: DaemonProcess, count: int, timeout: float = 300) -> None:
+    client = daemon.client()
+    try:
+        deadline = time.monotonic() + timeout
+        while client.call("stats")["remote"]["uploads"] < count:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{count} uploads did not finish")
+            time.sleep(0.002)
+    finally:
+        client.close()
+
+
+def data_for(i: int) -> bytes:
+    # Random bytes (incompressible), name stamped at both ends so mix-ups show.
+    body = bytearray(os.urandom(OBJECT))
+    stamp = f"object {i:06d}".encode().ljust(64, b".")
+    body[:64] = stamp
+    body[-64:] = stamp
+    return bytes(body)
+
+
+def read_into_region(fc: FileClient, parent: int, name: str) -> None:
+    """lookup + open + one read into the client's region + release: the bytes land in memory
+    the client owns, as a raw GET's do (the check happens outside the timed part)."""
+    ino = fc.client.call("lookup", parent=parent, name=name.encode())["ino"]
+    fh = fc.client.call("open", ino=ino, flags=os.O_RDONLY)["fh"]
+    try:
+        n = fc.client.call("read", fh=fh, offset=0, length=OBJECT, region=fc.region,
+                           region_offset=0)["length"]
+        assert n == OBJECT
+    finally:
+        fc.client.call("release", fh=fh)
+
+
+def per_object(s3, bucket: str, a: DaemonProcess, b: DaemonProcess, count: int) -> dict:
+    fa, fb = FileClient(a, region_size=OBJECT), FileClient(b, region_size=OBJECT)
+    times = {k: [] for k in ("raw_put", "store_upload", "store_only", "raw_get", "remote_fetch")}
+    try:
+        fa.put("/objects/warmup", data_for(999_999))      # directory made, daemon warm
+        wait_uploads(a, 1)
+        fb.get("/objects/warmup")
+        objects_ino = fb.client.call("lookup", parent=1, name=b"objects")["ino"]
+        for i in range(count):
+            data = data_for(i)
+            t0 = time.perf_counter()
+            s3.put_object(Bucket=bucket, Key=f"raw/{i}", Body=data)
+            times["raw_put"].append(time.perf_counter() - t0)
+
+            t0 = time.perf_counter()
+            fa.put(f"/objects/{i}", data, step=OBJECT)
+            times["store_only"].append(time.perf_counter() - t0)
+            wait_uploads(a, i + 2)
+            times["store_upload"].append(time.perf_counter() - t0)
+
+            t0 = time.perf_counter()
+            got = s3.get_object(Bucket=bucket, Key=f"raw/{i}")["Body"].read()
+            times["raw_get"].append(time.perf_counter() - t0)
+            assert got == data
+
+            t0 = time.perf_counter()
+            read_into_region(fb, objects_ino, f"{i}")
+            times["remote_fetch"].append(time.perf_counter() - t0)
+            assert fb.shm.view[:OBJECT] == data, f"object {i} came back different"
+            s3.delete_object(Bucket=bucket, Key=f"raw/{i}")
+    finally:
+        fa.close()
+        fb.close()
+    med = {k: statistics.median(v) for k, v in times.items()}
+    return {"count": count, "object_bytes": OBJECT, "seconds": times, "median_s": med,
+            "ratio_put": med["raw_put"] / med["store_upload"],
+            "ratio_get": med["raw_get"] / med["remote_fetch"]}
+
+
+def prefix_read(s3, bucket: str, a_mnt: Path, b_mnt: Path, a: DaemonProcess,
+                blocks: int) -> dict:
+    names = [block_name(10_000 + i) for i in range(blocks)]
+    before = remote_stats(a)["uploads"]
+    for i, name in enumerate(names):
+        llmd_write(str(a_mnt), name, data_for(i), tag="a")
+    wait_uploads(a, before + blocks)
+    t0 = time.perf_counter()
+    for name in names:
+        s3.get_object(Bucket=bucket, Key=name)["Body"].read()
+    raw = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    for i, name in enumerate(names):
+        assert os.path.exists(b_mnt / name)
+        got = llmd_read(str(b_mnt), name)
+        assert got[:64] == f"object {i:06d}".encode().ljust(64, b"."), name
+    host_b = time.perf_counter() - t0
+    return {"blocks": blocks, "bytes": blocks * OBJECT, "raw_io_s": raw, "host_b_read_s": host_b,
+            "ratio": raw / host_b}
+
+
+def plot(results: dict, path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    med = results["per_object"]["median_s"]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    labels = ["upload", "fetch"]
+    raw = [med["raw_put"] * 1000, med["raw_get"] * 1000]
+    ours = [med["store_upload"] * 1000, med["remote_fetch"] * 1000]
+    x = range(len(labels))
+    left.bar([i - 0.2 for i in x], raw, 0.4, label="boto3 PUT / GET")
+    left.bar([i + 0.2 for i in x], ours, 0.4, label="through bluecached")
+    left.set_xticks(list(x), labels)
+    left.set_ylabel("ms per 32 MiB object (median)")
+    left.legend()
+    left.set_title("one 32 MiB object")
+    p = results["prefix_read"]
+    right.bar(["raw GETs", "host B via mount"], [p["raw_io_s"], p["host_b_read_s"]],
+              color=["tab:blue", "tab:orange"])
+    right.set_ylabel("seconds")
+    right.set_title(f"prefix of {p['blocks']} blocks written by host A")
+    fig.suptitle(f"remote tier on Ceph radosgw (memstore), {results['machine']['cpu_model']}, "
+                 f"{results['machine']['cores']} cores", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+def write_md(results: dict, path: Path) -> None:
+    o, p, m = results["per_object"], results["prefix_read"], results["machine"]
+    med = {k: f"{v * 1000:.0f} ms" for k, v in o["median_s"].items()}
+    upload = (f"| upload | PUT {med['raw_put']} | store + upload {med['store_upload']} "
+              f"(store alone {med['store_only']}) | {o['ratio_put']:.2f} |")
+    fetch = (f"| fetch | GET {med['raw_get']} | lookup + read on host B {med['remote_fetch']} "
+             f"| {o['ratio_get']:.2f} |")
+    path.write_text(f"""# Remote tier benchmark (bench/remote_bench.py)
+
+Run {results['when']} on {m['cpu_model']}, {m['cores']} cores, {m['memory_bytes'] >> 30} GiB,
+{m['platform']}; {m['ceph']}; boto3 {m['boto3']}. Single-node Ceph (memstore OSD, radosgw on
+loopback) on the same machine as both bluecache instances and the client: every number
+includes Ceph's own CPU use on the same 2 cores. Nothing here ran on a BlueField DPU.
+
+| 32 MiB object, median of {o['count']} | plain boto3 | through bluecached | ratio (target >= 0.9) |
+|---|---|---|---|
+{upload}
+{fetch}
+
+Host B reading a {p['blocks']}-block prefix ({p['bytes'] >> 20} MiB) that host A wrote, through
+its mount (exists + open + read per block, as the llm-d backend does):
+{p['host_b_read_s']:.2f} s, against {p['raw_io_s']:.2f} s for the {p['blocks']} plain GETs alone
+(ratio {p['ratio']:.2f}).
+
+What the bluecached side does on top of the raw client: upload: the store through the
+protocol (DRAM), queueing, a CRC32C over the object, a multipart upload of 8 MiB parts, 4 at
+a time, read straight from the DRAM chunks; fetch: a HEAD (the lookup), parallel ranged GETs
+pinned to the ETag, a CRC32C check, the copy into the client's region. `json`: every sample.
+
+![remote tier](remote.png)
+""")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--objects", type=int, default=12)
+    ap.add_argument("--prefix-blocks", type=int, default=64)
+    ap.add_argument("--quick", action="store_true", help="3 objects, 8 blocks, results to "
+                    "/tmp/bluecache-bench-quick/")
+    ap.add_argument("--dir", type=Path, help="working directory (default: a new one in /var/tmp)")
+    ap.add_argument("--remote", action="append", default=[], metavar="KEY=VALUE",
+                    help="extra remote: settings for both daemons, e.g. multipart_threshold=64MiB")
+    args = ap.parse_args()
+    out = ROOT / "docs" / "benchmarks"
+    if args.quick:
+        args.objects, args.prefix_blocks = 3, 8
+        out = Path("/tmp/bluecache-bench-quick")
+    out.mkdir(parents=True, exist_ok=True)
+    work = args.dir or Path(tempfile.mkdtemp(prefix="bluecache-remote-bench-", dir="/var/tmp"))
+    cluster = CephCluster(work / "ceph", memstore_bytes=(args.prefix_blocks + 8) * OBJECT
+                          + (1 << 30))
+    stacks = []
+    try:
+        t0 = time.monotonic()
+        cluster.start()
+        print(f"ceph up in {time.monotonic() - t0:.1f}s at {cluster.endpoint}", flush=True)
+        s3 = cluster.s3_client()
+        s3.create_bucket(Bucket="bench")
+        creds = cluster.write_credentials(work / "s3-credentials")
+        extra = dict(kv.split("=", 1) for kv in args.remote)
+        remote = cluster.s3_settings("bench", creds, **extra)
+        nvme = f"{(args.prefix_blocks + args.objects + 8) * 32 + 1024}MiB"
+        for name in ("a", "b"):
+            d = DaemonProcess(work / name, remote=remote,
+                              **{"tiers.dram.size": "512MiB", "tiers.nvme.size": nvme,
+                                 "tiers.nvme.segment_size": "1GiB"}).start()
+            h = HostdProcess(d, work / f"mnt-{name}").start()
+            stacks.append((d, h))
+        (a, _), (b, _) = stacks
+        results = {"when": datetime.datetime.now().isoformat(timespec="seconds"),
+                   "machine": machine(), "remote_settings": {k: v for k, v in remote.items()
+                                                             if k != "credentials_file"}}
+        results["per_object"] = per_object(s3, "bench", a, b, args.objects)
+        print(json.dumps(results["per_object"]["median_s"]), flush=True)
+        results["prefix_read"] = prefix_read(s3, "bench", work / "mnt-a", work / "mnt-b", a,
+                                             args.prefix_blocks)
+    finally:
+        for d, h in stacks:
+            h.stop()
+            force_unmount(h.mountpoint)
+            d.stop()
+        cluster.stop()
+        if not args.dir:
+            shutil.rmtree(work, ignore_errors=True)
+    (out / "remote.json").write_text(json.dumps(results, indent=1) + "\n")
+    plot(results, out / "remote.png")
+    write_md(results, out / "remote.md")
+    o, p = results["per_object"], results["prefix_read"]
+    print(f"upload ratio {o['ratio_put']:.2f}, fetch ratio {o['ratio_get']:.2f}, "
+          f"prefix read {p['host_b_read_s']:.2f}s vs raw {p['raw_io_s']:.2f}s "
+          f"({p['ratio']:.2f}); results in {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,481 @@
+"""The remote tier: an S3 bucket that many hosts share, below DRAM and NVMe.
+
+A file's S3 key is its path under the mount (after an optional prefix); the connectors name
+blocks by content hash, so two hosts writing one name hold the same bytes. What this module
+does, all on the event loop with the blocking S3 calls in worker threads (bluecached/s3.py):
+
+- uploads: complete files (writers gone, final name) are admitted by policy (all, reread, age)
+  into a bounded queue; past the bound they are dropped and counted. Workers upload them while
+  the object is pinned (writes to it wait; reads do not).
+- lookups that miss locally ask S3 (HEAD, then a one-key LIST for a directory) and leave a
+  placeholder inode whose bytes are fetched (CRC32C checked) on first read; misses are kept in
+  a short negative cache so a connector's per-block lookups do not each cost a round trip.
+- failures: a request that gets no answer marks the tier down; lookups then miss at once,
+  uploads wait in the queue, and a probe brings the tier back. Local tiers never wait on it.
+- capacity: a periodic listing deletes objects past `max_age`, then the oldest past
+  `max_bytes`. Local eviction never deletes remote copies; unlink does (it is a POSIX unlink
+  of a shared file).
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import trio
+
+from . import index
+from .dram import CHUNK_SIZE
+from .namespace import ROOT_INO, FsError, Inode
+from .objects import chunk_count, views
+from .s3 import Changed, ChecksumMismatch, S3Error, S3Store
+
+log = logging.getLogger("bluecached.remote")
+
+NEGATIVE_CACHE_MAX = 65536
+PLACEHOLDER_TTL_S = 600      # a looked-up, never-read placeholder is forgotten after this
+MAINTAIN_INTERVAL_S = 5
+
+
+@dataclass
+class RemoteCounters:
+    lookups: int = 0
+    hits: int = 0
+    misses: int = 0
+    negative_hits: int = 0
+    skipped_down: int = 0        # lookups answered as a miss because the tier was down
+    uploads: int = 0
+    upload_bytes: int = 0
+    upload_failures: int = 0
+    uploads_dropped: int = 0     # admitted past the queue bound
+    fetches: int = 0
+    fetch_bytes: int = 0
+    fetch_failures: int = 0
+    checksum_failures: int = 0
+    deletes: int = 0             # unlinks propagated
+    capacity_deletes: int = 0    # removed by max_bytes / max_age
+    errors: int = 0
+
+    def as_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+@dataclass
+class RemotePolicy:
+    prefix: str = ""
+    admission: str = "all"           # all | reread | age
+    admission_age: float = 30.0
+    queue_max: int = 1024
+    upload_workers: int = 2
+    negative_ttl: float = 2.0
+    retry_interval: float = 5.0
+    max_bytes: int = 0               # 0: unbounded
+    max_age: float = 0.0             # 0: unbounded
+    enforce_interval: float = 60.0
+    low_fraction: float = 0.9        # max_bytes enforcement deletes down to this fraction
+    describe: dict = field(default_factory=dict)   # endpoint, bucket, region for status
+
+
+class RemoteTier:
+    def __init__(self, s3: S3Store, policy: RemotePolicy):
+        self.s3 = s3
+        self.policy = policy
+        self.store = None                 # attached by Store.attach_remote
+        self.stats = RemoteCounters()
+        self.reachable = True             # optimistic until a request says otherwise
+        self.last_error: str | None = None
+        self.last_error_at: float | None = None
+        self.remote_bytes: int | None = None      # as of the last capacity listing
+        self.remote_objects: int | None = None
+        self._queue: deque[tuple[Inode, int]] = deque()
+        self._queued_inos: set[int] = set()
+        self._delayed: deque[tuple[float, Inode]] = deque()   # admission by age
+        self._work = trio.Event()
+        self._up = trio.Event()
+        self._up.set()
+        self._negative: dict[str, float] = {}
+        self._inflight: dict[str, trio.Event] = {}
+        self._upload_limiter = trio.CapacityLimiter(max(1, policy.upload_workers))
+        self._placeholders: dict[int, tuple[Inode, float, str]] = {}   # ino -> (node, since, key)
+        self._nursery: trio.Nursery | None = None
+
+    # -- keys ------------------------------------------------------------------------------
+
+    def key_for(self, path: bytes) -> str | None:
+        """S3 key of a mount path (b"/a/b"); None if it is not UTF-8 or is the root."""
+        try:
+            rel = path.lstrip(b"/").decode("utf-8")
+        except UnicodeDecodeError:
+            return None
+        return self.policy.prefix + rel if rel else None
+
+    def key_of(self, node: Inode) -> str | None:
+        if node.parent is None:
+            return None
+        return self.key_for(self.store.ns.path_of(node))
+
+    # -- reachability ----------------------------------------------------------------------
+
+    def _error(self, e: Exception) -> None:
+        self.stats.errors += 1
+        self.last_error, self.last_error_at = str(e), time.time()
+        if isinstance(e, S3Error) and e.unreachable:
+            if self.reachable:
+                log.warning("remote tier unreachable, serving from local tiers: %s", e)
+                self.reachable = False
+                self._up = trio.Event()
+        else:
+            log.error("remote tier: %s", e)
+
+    def _recovered(self) -> None:
+        if not self.reachable:
+            log.info("remote tier reachable again")
+            self.reachable = True
+            self._up.set()
+            self._wake()
+
+    def _wake(self) -> None:
+        self._work.set()
+        self._work = trio.Event()
+
+    async def _thread(self, fn, *args, limiter=None):
+        return await trio.to_thread.run_sync(fn, *args, limiter=limiter)
+
+    # -- lookups ---------------------------------------------------------------------------
+
+    def _negative_hit(self, key: str) -> bool:
+        expiry = self._negative.get(key)
+        if expiry is None:
+            return False
+        if expiry > trio.current_time():
+            return True
+        del self._negative[key]
+        return False
+
+    def _remember_miss(self, key: str) -> None:
+        if len(self._negative) >= NEGATIVE_CACHE_MAX:
+            now = trio.current_time()
+            self._negative = {k: t for k, t in self._negative.items() if t > now}
+            if len(self._negative) >= NEGATIVE_CACHE_MAX:
+                self._negative.clear()
+        self._negative[key] = trio.current_time() + self.policy.negative_ttl
+
+    async def lookup(self, parent: int, name: bytes) -> Inode:
+        """A name the namespace lacks: a placeholder (file) or directory if S3 has it, else
+        ENOENT. Never raises anything else for remote trouble: the caller sees a miss."""
+        store = self.store
+        pnode = store.ns.directory(parent)
+        ppath = store.ns.path_of(pnode)
+        key = self.key_for(ppath + b"/" + name) if ppath or pnode.ino == ROOT_INO else None
+        if key is None:
+            raise FsError(errno.ENOENT)
+        self.stats.lookups += 1
+        if not self.reachable:
+            self.stats.skipped_down += 1
+            raise FsError(errno.ENOENT)
+        if self._negative_hit(key):
+            self.stats.negative_hits += 1
+            raise FsError(errno.ENOENT)
+        pending = self._inflight.get(key)
+        if pending is not None:   # another lookup of this key is asking S3 already
+            await pending.wait()
+            return store.ns.lookup(parent, name)
+        done = self._inflight[key] = trio.Event()
+        try:
+            return await self._ask(parent, name, key)
+        finally:
+            del self._inflight[key]
+            done.set()
+
+    async def _ask(self, parent: int, name: bytes, key: str) -> Inode:
+        store = self.store
+        try:
+            info = await self._thread(self.s3.head, key)
+            is_dir = info is None and await self._thread(self.s3.has_prefix, key + "/")
+        except S3Error as e:
+            self._error(e)
+            self.stats.misses += 1
+            raise FsError(errno.ENOENT) from None
+        self._recovered()
+        try:
+            return store.ns.lookup(parent, name)   # created here while we asked
+        except FsError:
+            pass
+        if info is None and not is_dir:
+            self.stats.misses += 1
+            self._remember_miss(key)
+            raise FsError(errno.ENOENT)
+        self.stats.hits += 1
+        if is_dir:
+            return store.mkdir_like_parent(parent, name)
+        node = store.add_placeholder(parent, name, info)
+        self._placeholders[node.ino] = (node, trio.current_time(), key)
+        return node
+
+    # -- fetching a placeholder's bytes ----------------------------------------------------
+
+    async def fetch(self, node: Inode) -> None:
+        """Pulls a placeholder's bytes into DRAM (they are then written behind to NVMe like
+        any new object). Caller holds the content lock. On any failure the placeholder is
+        removed (the next lookup asks again) and the reader gets EIO, never unchecked bytes."""
+        store, tiers, obj = self.store, self.store.tiers, node.obj
+        info = obj.remote_info
+        key = self._placeholders.pop(node.ino, (None, None, self.key_of(node)))[2]
+        size = node.size
+        if not self.reachable:
+            self.stats.fetch_failures += 1
+            store.remove_object(node, "remote tier unreachable")
+            raise FsError(errno.EIO, f"remote tier unreachable: {self.last_error}")
+        chunks = await tiers.take_chunks(chunk_count(size), zero=False)
+        problem = None
+        try:
+            if key is None:
+                raise Changed("the file lost its name")
+            await self._thread(self.s3.get_into, key, info, views(chunks, 0, size))
+        except ChecksumMismatch as e:
+            self.stats.checksum_failures += 1
+            log.error("remote object %s failed its checksum, deleting it: %s", key, e)
+            problem = f"checksum mismatch: {e}"
+            await self._delete_quietly(key)
+        except Changed as e:
+            problem = f"remote object went away: {e}"
+        except S3Error as e:
+            self._error(e)
+            problem = str(e)
+        except BaseException:
+            for c in chunks:
+                tiers.dram.give(c)
+            raise
+        if problem is not None:
+            for c in chunks:
+                tiers.dram.give(c)
+            self.stats.fetch_failures += 1
+            store.remove_object(node, "remote fetch failed")
+            raise FsError(errno.EIO, f"remote tier: {problem}")
+        self._recovered()
+        tail = size % CHUNK_SIZE
+        if tail:
+            chunks[-1][tail:] = bytes(CHUNK_SIZE - tail)   # past EOF reads as zeros
+        obj.chunks = chunks
+        obj.remote_info = None
+        if key == self.key_of(node):   # else it was renamed: upload it under its new name
+            obj.remote_version = obj.version
+        obj.dirty = True
+        tiers.dirty_bytes += size
+        tiers.mark_resident(node)
+        self.stats.fetches += 1
+        self.stats.fetch_bytes += size
+        tiers.queue_writeback(node)
+
+    async def _delete_quietly(self, key: str | None) -> None:
+        if key is None:
+            return
+        try:
+            await self._thread(self.s3.delete, key)
+        except S3Error as e:
+            self._error(e)
+
+    # -- uploads ---------------------------------------------------------------------------
+
+    def uploaded(self, node: Inode) -> bool:
+        obj = node.obj
+        return obj is not None and obj.remote_version == obj.version
+
+    def admit(self, node: Inode, reason: str) -> None:
+        """A complete file is a candidate for upload (`reason`: written, read, startup)."""
+        obj = node.obj
+        if (obj is None or obj.writers or node.parent is None or self.uploaded(node)
+                or obj.remote_info is not None or node.ino in self.store.tmp_inos
+                or node.ino in self._queued_inos):
+            return
+        policy = self.policy.admission
+        if (policy == "reread") != (reason == "read"):
+            return   # reads admit only under reread, and only reads do
+        if policy == "age" and reason != "aged":
+            self._delayed.append((trio.current_time() + self.policy.admission_age, node))
+            return
+        if len(self._queue) >= self.policy.queue_max:
+            self.stats.uploads_dropped += 1
+            if self.stats.uploads_dropped in (1, 10, 100) or not self.stats.uploads_dropped % 1000:
+                log.info("remote upload queue full (%d): %d uploads dropped so far",
+                         self.policy.queue_max, self.stats.uploads_dropped)
+            return
+        self._queue.append((node, obj.version))
+        self._queued_inos.add(node.ino)
+        self._wake()
+
+    def admit_persisted(self) -> None:
+        """At start: files on NVMe the journal does not record as uploaded (the queue is not
+        persisted), most recently used first."""
+        for node in reversed(list(self.store.tiers.lru_nvme.values())):
+            self.admit(node, "startup")
+
+    def queue_length(self) -> int:
+        return len(self._queue)
+
+    async def upload_worker(self) -> None:
+        while True:
+            while not self._queue or not self.reachable:
+                await (self._up.wait() if not self.reachable else self._work.wait())
+            node, version = self._queue.popleft()
+            self._queued_inos.discard(node.ino)
+            await self._upload(node, version)
+
+    async def _upload(self, node: Inode, version: int) -> None:
+        tiers, obj = self.store.tiers, node.obj
+        key = self.key_of(node)
+        if obj.version != version or key is None or self.uploaded(node) or obj.writers:
+            return
+        async with obj.content_lock():
+            if obj.version != version or node.parent is None:
+                return
+            if obj.chunks is None:
+                try:
+                    await tiers.promote(node)
+                except FsError as e:
+                    self.stats.upload_failures += 1
+                    log.error("upload of %s: cannot read it locally: %s", key, e)
+                    return
+            body = views(obj.chunks, 0, node.size)
+            tiers.pin(obj)
+            obj.uploading = trio.Event()
+        try:
+            await self._thread(self.s3.put, key, body, limiter=self._upload_limiter)
+        except S3Error as e:
+            self._error(e)
+            if e.unreachable and obj.version == version and node.parent is not None:
+                self._queue.appendleft((node, version))   # keep it for when S3 is back
+                self._queued_inos.add(node.ino)
+            else:
+                self.stats.upload_failures += 1
+            return
+        finally:
+            tiers.unpin(obj)
+            done, obj.uploading = obj.uploading, None
+            done.set()
+        self._recovered()
+        self.stats.uploads += 1
+        self.stats.upload_bytes += node.size
+        self._negative.pop(key, None)
+        if obj.version != version or self.key_of(node) != key:
+            await self._delete_quietly(key)   # renamed, unlinked or rewritten meanwhile
+            return
+        obj.remote_version = version
+        if obj.persisted:
+            tiers.log(index.remote_record(node.ino))
+
+    # -- changes made by clients -----------------------------------------------------------
+
+    def forget_copy(self, node: Inode, key: str | None, renamed: bool = False) -> None:
+        """A client unlinked or renamed a file: its remote copy under the old name goes (a
+        renamed placeholder keeps it: its bytes are still to be fetched from there)."""
+        obj = node.obj
+        if obj is None or key is None or (renamed and obj.remote_info is not None):
+            return
+        had_copy = self.uploaded(node) or obj.remote_info is not None
+        obj.remote_version = -1
+        obj.remote_info = None
+        if had_copy:
+            self.stats.deletes += 1
+            self._remember_miss(key)
+            self._nursery.start_soon(self._delete_quietly, key)
+
+    # -- background ------------------------------------------------------------------------
+
+    async def maintain(self) -> None:
+        """Probes while down, admits aged files, expires idle placeholders, bounds capacity."""
+        last_enforce = -1e9
+        last_probe = -1e9
+        while True:
+            await trio.sleep(min(MAINTAIN_INTERVAL_S, self.policy.retry_interval,
+                                 self.policy.admission_age or MAINTAIN_INTERVAL_S))
+            now = trio.current_time()
+            if not self.reachable and now - last_probe >= self.policy.retry_interval:
+                last_probe = now
+                await self.probe()
+            while self._delayed and self._delayed[0][0] <= now:
+                _, node = self._delayed.popleft()
+                self.admit(node, "aged")
+            self._expire_placeholders()
+            bounded = self.policy.max_bytes or self.policy.max_age
+            if bounded and self.reachable and now - last_enforce >= self.policy.enforce_interval:
+                last_enforce = now
+                await self.enforce_capacity()
+
+    async def probe(self) -> bool:
+        try:
+            await self._thread(self.s3.probe)
+        except S3Error as e:
+            self.last_error, self.last_error_at = str(e), time.time()
+            return False
+        self._recovered()
+        return True
+
+    def _expire_placeholders(self) -> None:
+        cutoff = trio.current_time() - PLACEHOLDER_TTL_S
+        for ino, (node, since, _) in list(self._placeholders.items()):
+            if node.parent is None or node.obj.remote_info is None:
+                del self._placeholders[ino]
+            elif not node.obj.busy and since < cutoff:
+                del self._placeholders[ino]
+                self.store.remove_object(node, "remote placeholder not read")
+
+    async def enforce_capacity(self) -> dict:
+        """Deletes objects under the prefix older than max_age, then the oldest until the
+        total is at most low_fraction * max_bytes. Returns what it did."""
+        policy = self.policy
+        try:
+            objects = await self._thread(lambda: list(self.s3.list(policy.prefix)))
+        except S3Error as e:
+            self._error(e)
+            return {"error": str(e)}
+        objects.sort(key=lambda o: o[2])   # oldest first
+        doomed = []
+        if policy.max_age:
+            cutoff = time.time() - policy.max_age
+            while objects and objects[0][2] < cutoff:
+                doomed.append(objects.pop(0))
+        total = sum(o[1] for o in objects)
+        if policy.max_bytes and total > policy.max_bytes:
+            while objects and total > policy.low_fraction * policy.max_bytes:
+                o = objects.pop(0)
+                total -= o[1]
+                doomed.append(o)
+        for key, _, _ in doomed:
+            await self._delete_quietly(key)
+        self.stats.capacity_deletes += len(doomed)
+        self.remote_bytes, self.remote_objects = total, len(objects)
+        if doomed:
+            log.info("remote tier: deleted %d objects (%d bytes) to stay within its bounds",
+                     len(doomed), sum(o[1] for o in doomed))
+        return {"deleted": len(doomed), "bytes": total, "objects": len(objects)}
+
+    async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        async with trio.open_nursery() as nursery:
+            self._nursery = nursery
+            if not await self.probe():
+                self._error(S3Error(self.last_error or "no answer", unreachable=True))
+            for _ in range(max(1, self.policy.upload_workers)):
+                nursery.start_soon(self.upload_worker)
+            nursery.start_soon(self.maintain)
+            task_status.started()
+
+    # -- reporting -------------------------------------------------------------------------
+
+    def status(self) -> dict:
+        return {**self.policy.describe, "prefix": self.policy.prefix,
+                "reachable": self.reachable, "admission": self.policy.admission,
+                "queue": len(self._queue), "queue_max": self.policy.queue_max,
+                "dropped": self.stats.uploads_dropped, "last_error": self.last_error,
+                "last_error_age_s": (round(time.time() - self.last_error_at, 1)
+                                     if self.last_error_at else None)}
+
+    def tier_stats(self) -> dict:
+        s = self.stats
+        return {"bytes": self.remote_bytes or 0, "capacity_bytes": self.policy.max_bytes,
+                "objects": self.remote_objects or 0, "hits": s.fetches, "misses": s.misses,
+                "evictions": s.capacity_deletes, "bytes_in": s.upload_bytes}
+

@@ -1,0 +1,364 @@
+"""The remote tier's S3 side: blocking calls through botocore, run in worker threads.
+
+boto3/botocore is the client (thread-safe clients, SigV4, retries, any S3 endpoint; Debian
+bookworm ships 1.26/1.29, and this module sticks to what that version has). The transfer
+logic is ours rather than s3transfer's: uploads read straight from the DRAM chunks (no staging
+copy of the object), and a download must be pinned to the version a lookup saw (IfMatch on
+every ranged GET), which s3transfer's downloader does not accept.
+
+Every object carries its CRC32C and size as user metadata; `get_into` checks both.
+"""
+
+from __future__ import annotations
+
+import configparser
+import io
+import stat
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import crc32c
+
+CRC_META = "bluecache-crc32c"
+SIZE_META = "bluecache-size"
+
+
+class S3Error(Exception):
+    """A failed S3 call. `unreachable` is True when no answer came (connection refused, timed
+    out): the tier is then marked down until a probe succeeds."""
+
+    def __init__(self, message: str, unreachable: bool = False):
+        super().__init__(message)
+        self.unreachable = unreachable
+
+
+class ChecksumMismatch(Exception):
+    pass
+
+
+class Changed(Exception):
+    """The object is gone or was replaced since it was looked up."""
+
+
+@dataclass(frozen=True)
+class RemoteObject:
+    size: int
+    crc: int | None      # None: not written by bluecache (no checksum): never served
+    etag: str
+    mtime: float         # seconds since the epoch
+
+
+@dataclass(frozen=True)
+class Credentials:
+    access_key_id: str
+    secret_access_key: str
+    session_token: str | None = None
+
+
+def load_credentials(path: Path) -> Credentials:
+    """An AWS-style credentials file ([default] aws_access_key_id = ..., aws_secret_access_key
+    = ..., optional aws_session_token). Refused unless only its owner can read it."""
+    try:
+        st = path.stat()
+    except OSError as e:
+        raise ValueError(f"credentials file {path}: {e.strerror}") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise ValueError(f"credentials file {path}: not a regular file")
+    if st.st_mode & 0o077:
+        raise ValueError(f"credentials file {path} is readable or writable by group or others "
+                         f"(mode {stat.S_IMODE(st.st_mode):04o}): chmod 600 it")
+    parser = configparser.ConfigParser(interpolation=None)
+    try:
+        parser.read_string(path.read_text(), str(path))
+    except (OSError, UnicodeDecodeError, configparser.Error) as e:
+        raise ValueError(f"credentials file {path}: {e}") from None
+    if not parser.has_section("default"):
+        raise ValueError(f"credentials file {path}: no [default] section")
+    section = parser["default"]
+    missing = [k for k in ("aws_access_key_id", "aws_secret_access_key") if not section.get(k)]
+    if missing:
+        raise ValueError(f"credentials file {path}: [default] lacks {', '.join(missing)}")
+    return Credentials(section["aws_access_key_id"], section["aws_secret_access_key"],
+                       section.get("aws_session_token") or None)
+
+
+def checksum_options() -> dict:
+    """botocore >= 1.36 adds CRC trailers (aws-chunked uploads) by default, which many S3
+    servers (Ceph 16's radosgw among them) reject; ask for them only where an API requires
+    them. Older botocore (bookworm's 1.29) has neither the options nor the behaviour."""
+    from botocore.config import Config
+    if "request_checksum_calculation" in Config.OPTION_DEFAULTS:
+        return {"request_checksum_calculation": "when_required",
+                "response_checksum_validation": "when_required"}
+    return {}
+
+
+def make_client(endpoint: str | None, region: str, credentials: Credentials | None,
+                ca_bundle: Path | None, verify_tls: bool, addressing_style: str,
+                timeout: float, connections: int):
+    import boto3
+    from botocore.config import Config
+    keys = {}
+    if credentials is not None:
+        keys = {"aws_access_key_id": credentials.access_key_id,
+                "aws_secret_access_key": credentials.secret_access_key,
+                "aws_session_token": credentials.session_token}
+    verify: bool | str = str(ca_bundle) if ca_bundle else verify_tls
+    # Sessions are not thread-safe, clients are: one session, used here only.
+    return boto3.session.Session().client(
+        "s3", endpoint_url=endpoint or None, region_name=region, verify=verify,
+        config=Config(connect_timeout=timeout, read_timeout=timeout,
+                      retries={"max_attempts": 2, "mode": "standard"},
+                      max_pool_connections=connections,
+                      s3={"addressing_style": addressing_style}, **checksum_options()),
+        **keys)
+
+
+def _classify(e: Exception, what: str) -> Exception:
+    from botocore.exceptions import (
+        ClientError,
+        ConnectionClosedError,
+        ConnectTimeoutError,
+        EndpointConnectionError,
+        ReadTimeoutError,
+    )
+    if isinstance(e, ClientError):
+        code = e.response.get("Error", {}).get("Code", "")
+        status = e.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+        if code in ("404", "NoSuchKey", "NotFound", "412", "PreconditionFailed") or \
+                status in (404, 412):
+            return Changed(f"{what}: {code or status}")
+        return S3Error(f"{what}: {code or status}: {e.response.get('Error', {}).get('Message')}")
+    if isinstance(e, EndpointConnectionError | ConnectTimeoutError | ReadTimeoutError |
+                  ConnectionClosedError):
+        return S3Error(f"{what}: {e}", unreachable=True)
+    return S3Error(f"{what}: {type(e).__name__}: {e}", unreachable=isinstance(e, OSError))
+
+
+class ChunkReader(io.RawIOBase):
+    """A seekable read-only file over memoryviews (an object's chunks, or a part of them): the
+    body of a PUT or an upload part, read by botocore without a copy of the object."""
+
+    def __init__(self, views: list[memoryview]):
+        self._views = views
+        self._size = sum(len(v) for v in views)
+        self._pos = 0
+        self._starts = []
+        pos = 0
+        for v in views:
+            self._starts.append(pos)
+            pos += len(v)
+
+    def __len__(self) -> int:
+        return self._size
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._size}[whence]
+        self._pos = max(0, base + offset)
+        return self._pos
+
+    def readinto(self, buf) -> int:
+        out = memoryview(buf).cast("B")
+        done = 0
+        while done < len(out) and self._pos < self._size:
+            i = self._index(self._pos)
+            start = self._pos - self._starts[i]
+            piece = self._views[i][start:start + len(out) - done]
+            out[done:done + len(piece)] = piece
+            done += len(piece)
+            self._pos += len(piece)
+        return done
+
+    def _index(self, pos: int) -> int:
+        lo, hi = 0, len(self._starts) - 1
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if self._starts[mid] <= pos:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
+
+
+def _slice(views: list[memoryview], offset: int, length: int) -> list[memoryview]:
+    out, pos = [], 0
+    for v in views:
+        end = pos + len(v)
+        if end > offset and pos < offset + length:
+            out.append(v[max(0, offset - pos):min(len(v), offset + length - pos)])
+        pos = end
+    return out
+
+
+def crc_of(views: list[memoryview]) -> int:
+    crc = 0
+    for v in views:
+        crc = crc32c.crc32c(v, crc)
+    return crc
+
+
+class S3Store:
+    """Blocking S3 calls on one bucket and key prefix. Thread-safe (botocore clients are)."""
+
+    def __init__(self, client, bucket: str, part_size: int, multipart_threshold: int,
+                 concurrency: int):
+        self.client = client
+        self.bucket = bucket
+        self.part_size = part_size
+        self.multipart_threshold = multipart_threshold
+        self.concurrency = concurrency
+        self._pool = ThreadPoolExecutor(max(1, concurrency), thread_name_prefix="s3-part")
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+
+    def _call(self, what: str, fn, **kw):
+        try:
+            return fn(Bucket=self.bucket, **kw)
+        except Exception as e:  # botocore raises many types; _classify sorts them
+            raise _classify(e, what) from None
+
+    def probe(self) -> None:
+        """Raises S3Error unless the bucket answers."""
+        try:
+            self._call("head bucket", self.client.head_bucket)
+        except Changed:
+            raise S3Error(f"bucket {self.bucket} does not exist") from None
+
+    def head(self, key: str) -> RemoteObject | None:
+        try:
+            r = self._call(f"head {key}", self.client.head_object, Key=key)
+        except Changed:
+            return None
+        meta = r.get("Metadata", {})
+        crc = meta.get(CRC_META)
+        try:
+            crc = int(crc, 16) if crc is not None else None
+        except ValueError:
+            crc = None
+        return RemoteObject(r["ContentLength"], crc, r.get("ETag", ""),
+                            r["LastModified"].timestamp())
+
+    def has_prefix(self, prefix: str) -> bool:
+        r = self._call(f"list {prefix}", self.client.list_objects_v2, Prefix=prefix, MaxKeys=1)
+        return bool(r.get("KeyCount") or r.get("Contents"))
+
+    def list(self, prefix: str) -> Iterator[tuple[str, int, float]]:
+        """(key, size, mtime) of every object under prefix."""
+        token = None
+        while True:
+            kw = {"Prefix": prefix, "MaxKeys": 1000}
+            if token:
+                kw["ContinuationToken"] = token
+            r = self._call(f"list {prefix}", self.client.list_objects_v2, **kw)
+            for o in r.get("Contents", []):
+                yield o["Key"], o["Size"], o["LastModified"].timestamp()
+            token = r.get("NextContinuationToken")
+            if not r.get("IsTruncated") or not token:
+                return
+
+    def delete(self, key: str) -> None:
+        try:
+            self._call(f"delete {key}", self.client.delete_object, Key=key)
+        except Changed:
+            pass
+
+    def put(self, key: str, views: list[memoryview]) -> int:
+        """Uploads the bytes with their CRC32C as metadata; multipart with parallel parts above
+        the threshold. Returns the CRC32C."""
+        size = sum(len(v) for v in views)
+        crc = crc_of(views)
+        meta = {CRC_META: f"{crc:08x}", SIZE_META: str(size)}
+        if size <= self.multipart_threshold:
+            self._call(f"put {key}", self.client.put_object, Key=key, Body=ChunkReader(views),
+                       ContentLength=size, Metadata=meta)
+            return crc
+        upload = self._call(f"start upload {key}", self.client.create_multipart_upload,
+                            Key=key, Metadata=meta)["UploadId"]
+        try:
+            def part(n: int, offset: int) -> dict:
+                length = min(self.part_size, size - offset)
+                r = self._call(f"upload part {n} of {key}", self.client.upload_part, Key=key,
+                               UploadId=upload, PartNumber=n, ContentLength=length,
+                               Body=ChunkReader(_slice(views, offset, length)))
+                return {"PartNumber": n, "ETag": r["ETag"]}
+            futures = [self._pool.submit(part, i + 1, off)
+                       for i, off in enumerate(range(0, size, self.part_size))]
+            parts = [f.result() for f in futures]
+            self._call(f"complete upload {key}", self.client.complete_multipart_upload,
+                       Key=key, UploadId=upload, MultipartUpload={"Parts": parts})
+        except BaseException:
+            try:
+                self._call(f"abort upload {key}", self.client.abort_multipart_upload, Key=key,
+                           UploadId=upload)
+            except (S3Error, Changed):
+                pass  # the server's incomplete-upload cleanup (lifecycle) takes it then
+            raise
+        return crc
+
+    def get_into(self, key: str, obj: RemoteObject, views: list[memoryview]) -> None:
+        """Downloads the object a lookup saw (IfMatch its ETag) into `views` (exactly its
+        size), with parallel ranged GETs above the threshold, and checks its CRC32C."""
+        if obj.crc is None:
+            raise ChecksumMismatch(f"{key} carries no {CRC_META} metadata")
+        size = obj.size
+        if sum(len(v) for v in views) != size:
+            raise ValueError("destination does not match the object's size")
+
+        def fetch(offset: int, length: int) -> None:
+            kw = {"Key": key, "IfMatch": obj.etag} if obj.etag else {"Key": key}
+            if length != size:
+                kw["Range"] = f"bytes={offset}-{offset + length - 1}"
+            body = self._call(f"get {key}", self.client.get_object, **kw)["Body"]
+            try:
+                got = 0
+                for dest in _slice(views, offset, length):
+                    filled = 0
+                    while filled < len(dest):
+                        n = body.readinto(dest[filled:]) if hasattr(body, "readinto") else \
+                            _read_into(body, dest[filled:])
+                        if not n:
+                            raise Changed(f"get {key}: short body ({got + filled} of {length})")
+                        filled += n
+                    got += filled
+            except OSError as e:
+                raise S3Error(f"get {key}: {e}", unreachable=True) from None
+            finally:
+                body.close()
+
+        if size <= self.multipart_threshold or size <= self.part_size:
+            if size:
+                fetch(0, size)
+        else:
+            futures = [self._pool.submit(fetch, off, min(self.part_size, size - off))
+                       for off in range(0, size, self.part_size)]
+            for f in futures:
+                f.result()
+        if crc_of(views) != obj.crc:
+            raise ChecksumMismatch(f"{key}: CRC32C of the fetched bytes is not {obj.crc:08x}")
+
+
+def _read_into(body, dest: memoryview) -> int:
+    data = body.read(len(dest))
+    dest[:len(data)] = data
+    return len(data)
+
+
+def fsdecode_key(path: bytes) -> str | None:
+    """The S3 key for a path under the mount, or None if it is not UTF-8 (S3 keys are)."""
+    try:
+        return path.decode("utf-8")
+    except UnicodeDecodeError:
+        return None
+

@@ -1,0 +1,320 @@
+"""The remote tier's logic, called directly (no sockets, no mount) against a real Ceph radosgw:
+upload and fetch, admission policies, the queue bound, the negative cache, capacity bounds,
+checksum failures, unreachability, and the journal's record of what is uploaded."""
+
+import errno
+import os
+import socket
+
+import pytest
+import trio
+
+from bluecached import config
+from bluecached.daemon import StartupError, build_remote
+from bluecached.namespace import ROOT_INO, FsError
+from bluecached.s3 import CRC_META, SIZE_META
+from support import MiB, pattern, run
+
+
+def attach(h, ceph, bucket, **remote):
+    name, creds = bucket
+    settings = {"remote.enabled": True, "remote.endpoint": ceph.endpoint, "remote.bucket": name,
+                "remote.credentials_file": str(creds), "remote.addressing_style": "path",
+                "remote.multipart_threshold": "16MiB", "remote.part_size": "8MiB"}
+    settings.update({f"remote.{k}": v for k, v in remote.items()})
+    h.store.attach_remote(build_remote(config.load_config(None, settings).remote))
+    return h.store.remote
+
+
+async def until(condition, what: str, timeout: float = 60) -> None:
+    """Polls: the conditions are counters of background tasks that signal nothing."""
+    for _ in range(int(timeout / 0.02)):
+        if condition():
+            return
+        await trio.sleep(0.02)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def serving(*harnesses):
+    """Runs fn(*harnesses) with every harness's background tasks, the remote tier's included."""
+    def decorate(fn):
+        async def main():
+            async with trio.open_nursery() as nursery:
+                for h in harnesses:
+                    tiers = h.store.tiers
+                    for _ in range(2):
+                        nursery.start_soon(tiers.writeback_worker)
+                    nursery.start_soon(tiers.evictor)
+                    if h.store.remote is not None:
+                        await nursery.start(h.store.remote.run)
+                        h.store.remote.admit_persisted()
+                result = await fn()
+                nursery.cancel_scope.cancel()
+            return result
+        return run(main)
+    return decorate
+
+
+async def find_path(h, path: str):
+    ino = ROOT_INO
+    node = None
+    for part in path.strip("/").split("/"):
+        node = await h.store.find(ino, part.encode())
+        ino = node.ino
+    return node
+
+
+def dead_endpoint() -> str:
+    """A loopback port nothing listens on: connections are refused (the endpoint is down)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"http://127.0.0.1:{s.getsockname()[1]}"
+
+
+def test_block_written_on_one_host_is_found_and_read_on_another(harness, ceph, bucket):
+    a, b = harness(), harness()
+    ra, rb = attach(a, ceph, bucket), attach(b, ceph, bucket)
+    big, small = pattern("big", 32 * MiB + 12345), pattern("small", 4000)
+
+    @serving(a, b)
+    async def _():
+        await a.put("/model/x/big.bin", big)
+        await a.put("/model/x/small.bin", small)
+        await until(lambda: ra.stats.uploads == 2, "two uploads")
+        node = a.store.ns.resolve("/model/x/big.bin")
+        assert a.store.tier_of(node).endswith("+remote")
+        head = ceph.s3_client().head_object(Bucket=bucket[0], Key="model/x/big.bin")
+        assert head["ContentLength"] == len(big)
+        assert head["Metadata"][SIZE_META] == str(len(big))
+        # B: the directories and the files come from the remote tier
+        node = await find_path(b, "/model/x/big.bin")
+        assert node.size == len(big) and b.store.tier_of(node) == "remote"
+        assert await b.get("/model/x/big.bin") == big
+        assert b.store.tier_of(node).startswith("dram+")
+        assert b.store.tier_of(node).endswith("+remote")
+        assert await b.get("/model/x/big.bin") == big   # now from DRAM
+        await find_path(b, "/model/x/small.bin")
+        assert await b.get("/model/x/small.bin") == small
+        assert rb.stats.fetches == 2 and rb.stats.fetch_bytes == len(big) + len(small)
+        # fetched blocks go down to B's NVMe and are not uploaded again
+        await until(lambda: b.store.tiers.dirty_bytes == 0, "write-behind on B")
+        assert b.store.tier_of(node) == "dram+nvme+remote"
+        assert rb.stats.uploads == 0 and rb.queue_length() == 0
+    a.check_consistency()
+    b.check_consistency()
+
+
+def test_lookup_misses_are_cached_for_negative_ttl(harness, ceph, bucket):
+    h = harness()
+    remote = attach(h, ceph, bucket, negative_ttl="1s")
+    s3 = ceph.s3_client()
+
+    @serving(h)
+    async def _():
+        with pytest.raises(FsError) as e:
+            await h.store.find(ROOT_INO, b"later.bin")
+        assert e.value.errno == errno.ENOENT
+        assert (remote.stats.misses, remote.stats.negative_hits) == (1, 0)
+        s3.put_object(Bucket=bucket[0], Key="later.bin", Body=b"x" * 10,
+                      Metadata={CRC_META: "00000000"})
+        for _ in range(50):   # a connector's burst of lookups: none reaches S3
+            with pytest.raises(FsError):
+                await h.store.find(ROOT_INO, b"later.bin")
+        assert (remote.stats.misses, remote.stats.negative_hits) == (1, 50)
+        await trio.sleep(1.1)   # past negative_ttl the next lookup asks again
+        node = await h.store.find(ROOT_INO, b"later.bin")
+        assert node.size == 10 and remote.stats.hits == 1
+
+
+def test_a_corrupted_remote_object_is_never_served(harness, ceph, bucket):
+    a, b = harness(), harness()
+    attach(a, ceph, bucket)
+    rb = attach(b, ceph, bucket)
+    data = pattern("good", 3 * MiB)
+    s3 = ceph.s3_client()
+
+    @serving(a, b)
+    async def _():
+        await a.put("/blk.bin", data)
+        await until(lambda: a.store.remote.stats.uploads == 1, "the upload")
+        meta = s3.head_object(Bucket=bucket[0], Key="blk.bin")["Metadata"]
+        bad = bytearray(data)
+        bad[MiB + 7] ^= 0x40          # one flipped bit, same size, same checksum metadata
+        s3.put_object(Bucket=bucket[0], Key="blk.bin", Body=bytes(bad), Metadata=meta)
+        await find_path(b, "/blk.bin")
+        with pytest.raises(FsError) as e:
+            await b.get("/blk.bin")
+        assert e.value.errno == errno.EIO
+        assert rb.stats.checksum_failures == 1
+        # removed here and deleted there: the next lookup is a plain miss
+        with pytest.raises(FsError):
+            b.store.ns.resolve("/blk.bin")
+        assert "Contents" not in s3.list_objects_v2(Bucket=bucket[0], Prefix="blk.bin")
+        # an object without bluecache's checksum is not served either
+        s3.put_object(Bucket=bucket[0], Key="foreign.bin", Body=b"no checksum here")
+        await find_path(b, "/foreign.bin")
+        with pytest.raises(FsError) as e:
+            await b.get("/foreign.bin")
+        assert e.value.errno == errno.EIO and rb.stats.checksum_failures == 2
+        assert await a.get("/blk.bin") == data   # A's local copy is untouched
+
+
+def test_admission_reread_uploads_only_blocks_read_again(harness, ceph, bucket):
+    h = harness()
+    remote = attach(h, ceph, bucket, admission="reread")
+    s3 = ceph.s3_client()
+
+    @serving(h)
+    async def _():
+        for i in range(3):
+            await h.put(f"/b{i}.bin", pattern(f"r{i}", MiB))
+        await until(lambda: h.store.tiers.dirty_bytes == 0, "write-behind")
+        assert remote.queue_length() == 0 and remote.stats.uploads == 0
+        assert await h.get("/b1.bin") == pattern("r1", MiB)
+        await until(lambda: remote.stats.uploads == 1, "the upload of the re-read block")
+        keys = [o["Key"] for o in s3.list_objects_v2(Bucket=bucket[0]).get("Contents", [])]
+        assert keys == ["b1.bin"]
+
+
+def test_admission_by_age_uploads_blocks_still_cached_after_the_age(harness, ceph, bucket):
+    h = harness()
+    remote = attach(h, ceph, bucket, admission="age", admission_age="1s")
+
+    @serving(h)
+    async def _():
+        await h.put("/old.bin", pattern("old", MiB))
+        await h.put("/gone.bin", pattern("gone", MiB))
+        h.store.unlink(ROOT_INO, b"gone.bin")   # not cached any more when its age comes
+        assert remote.queue_length() == 0 and remote.stats.uploads == 0
+        await until(lambda: remote.stats.uploads == 1, "the aged upload")
+        await trio.sleep(0.5)
+        assert remote.stats.uploads == 1
+        assert h.store.tier_of(h.store.ns.resolve("/old.bin")).endswith("+remote")
+
+
+def test_queue_is_bounded_while_unreachable_and_lookups_miss_at_once(harness, bucket):
+    h = harness()
+    name, creds = bucket
+    settings = {"remote.enabled": True, "remote.endpoint": dead_endpoint(),
+                "remote.bucket": name, "remote.credentials_file": str(creds),
+                "remote.addressing_style": "path", "remote.queue_max": 3,
+                "remote.timeout": "1s", "remote.retry_interval": "1s"}
+    h.store.attach_remote(build_remote(config.load_config(None, settings).remote))
+    remote = h.store.remote
+
+    @serving(h)
+    async def _():
+        assert not remote.reachable and remote.last_error
+        for i in range(5):
+            await h.put(f"/q{i}.bin", pattern(f"q{i}", 64 * 1024))
+        assert remote.queue_length() == 3 and remote.stats.uploads_dropped == 2
+        for i in range(5):   # local reads are unaffected
+            assert await h.get(f"/q{i}.bin") == pattern(f"q{i}", 64 * 1024)
+        with pytest.raises(FsError) as e:
+            await h.store.find(ROOT_INO, b"elsewhere.bin")
+        assert e.value.errno == errno.ENOENT and remote.stats.skipped_down == 1
+        status = remote.status()
+        assert status["reachable"] is False and status["queue"] == 3 and status["dropped"] == 2
+
+
+def test_capacity_is_bounded_by_size_and_by_age(harness, ceph, bucket):
+    h = harness()
+    remote = attach(h, ceph, bucket, max_bytes="3MiB")
+    s3 = ceph.s3_client()
+
+    @serving(h)
+    async def _():
+        for i in range(6):
+            await h.put(f"/c{i}.bin", pattern(f"c{i}", MiB))
+        await until(lambda: remote.stats.uploads == 6, "six uploads")
+        done = await remote.enforce_capacity()
+        listed = s3.list_objects_v2(Bucket=bucket[0]).get("Contents", [])
+        total = sum(o["Size"] for o in listed)
+        assert total <= 0.9 * 3 * MiB and done["deleted"] == 6 - len(listed) >= 3
+        assert remote.stats.capacity_deletes == done["deleted"]
+        # local copies are not touched by remote capacity
+        for i in range(6):
+            assert await h.get(f"/c{i}.bin") == pattern(f"c{i}", MiB)
+        remote.policy.max_bytes, remote.policy.max_age = 0, 1.0
+        await trio.sleep(2.1)    # S3 times are whole seconds
+        done = await remote.enforce_capacity()
+        assert done["deleted"] == len(listed) and done["objects"] == 0
+        assert "Contents" not in s3.list_objects_v2(Bucket=bucket[0])
+
+
+def test_unlink_deletes_the_remote_copy_and_eviction_does_not(harness, ceph, bucket):
+    h = harness()
+    remote = attach(h, ceph, bucket)
+    s3 = ceph.s3_client()
+
+    def keys():
+        return sorted(o["Key"] for o in s3.list_objects_v2(Bucket=bucket[0]).get("Contents", []))
+
+    @serving(h)
+    async def _():
+        await h.put("/keep.bin", pattern("k", MiB))
+        await h.put("/drop.bin", pattern("d", MiB))
+        await until(lambda: remote.stats.uploads == 2, "two uploads")
+        h.store.evict("/keep.bin")
+        h.store.unlink(ROOT_INO, b"drop.bin")
+        await until(lambda: keys() == ["keep.bin"], "the unlink to reach S3")
+        with pytest.raises(FsError):   # the negative cache covers the delete's delay
+            await h.store.find(ROOT_INO, b"drop.bin")
+        await find_path(h, "/keep.bin")  # evicted here, still there
+        assert await h.get("/keep.bin") == pattern("k", MiB)
+
+
+def test_restart_keeps_the_uploaded_mark(harness, ceph, bucket):
+    h = harness()
+    remote = attach(h, ceph, bucket)
+
+    @serving(h)
+    async def _():
+        await h.put("/a.bin", pattern("a", MiB))
+        await until(lambda: remote.stats.uploads == 1, "the upload")
+        await until(lambda: h.store.tiers.dirty_bytes == 0, "write-behind")
+
+    h.reopen(clean=False)   # SIGKILL: the journal alone says what is uploaded
+    remote = attach(h, ceph, bucket)
+
+    @serving(h)
+    async def _():
+        node = h.store.ns.resolve("/a.bin")
+        assert h.store.tier_of(node) == "nvme+remote"
+        assert remote.queue_length() == 0
+        await h.put("/b.bin", pattern("b", MiB))
+        await until(lambda: remote.stats.uploads == 1, "the new file's upload")
+
+    h.reopen(clean=True)    # snapshot path
+    remote = attach(h, ceph, bucket)
+
+    @serving(h)
+    async def _():
+        for name in ("/a.bin", "/b.bin"):
+            assert h.store.tier_of(h.store.ns.resolve(name)) == "nvme+remote"
+        assert remote.queue_length() == 0
+
+
+def test_credentials_file_readable_by_others_is_refused(tmp_path):
+    creds = tmp_path / "creds"
+    creds.write_text("[default]\naws_access_key_id = a\naws_secret_access_key = b\n")
+    os.chmod(creds, 0o640)
+    cfg = config.load_config(None, {"remote.enabled": True, "remote.bucket": "bkt",
+                                    "remote.credentials_file": str(creds)})
+    with pytest.raises(StartupError, match=r"readable or writable by group or others "
+                                           r"\(mode 0640\): chmod 600 it"):
+        build_remote(cfg.remote)
+    os.chmod(creds, 0o600)
+    creds.write_text("[default]\naws_access_key_id = a\n")
+    with pytest.raises(StartupError, match="lacks aws_secret_access_key"):
+        build_remote(cfg.remote)
+
+
+def test_remote_section_is_checked(tmp_path):
+    with pytest.raises(config.ConfigError, match="remote.bucket: expected a bucket name"):
+        config.load_config(None, {"remote.enabled": True})
+    with pytest.raises(config.ConfigError, match="remote.endpoint: expected"):
+        config.load_config(None, {"remote.endpoint": "ftp://x"})
+    with pytest.raises(config.ConfigError, match="remote.admission: expected one of"):
+        config.load_config(None, {"remote.admission": "sometimes"})
+    assert config.load_config(None).remote.enabled is False
