@@ -5,8 +5,12 @@ from .engine import DmaEngine, DmaError, Region, RegionTable
 __all__ = ["DmaEngine", "DmaError", "Region", "RegionTable", "make_engine"]
 
 
-def make_engine(name: str) -> DmaEngine:
+def make_engine(name: str, doca_settings=None) -> DmaEngine:
+    """`doca_settings`: the config's `doca` section (only the doca engine reads it)."""
     if name == "loopback":
         from .loopback import LoopbackEngine
         return LoopbackEngine()
-    raise ValueError(f"unknown DMA engine {name!r} (available: loopback)")
+    if name == "doca":
+        from .doca import DocaEngine
+        return DocaEngine(doca_settings)
+    raise ValueError(f"unknown DMA engine {name!r} (available: loopback, doca)")
