@@ -31,6 +31,10 @@ class ExportError(OSError):
     pass
 
 
+class DocaSetupError(Exception):
+    """hostd cannot do its part of the doca engine: a configuration problem, not a retry."""
+
+
 @dataclass
 class Export:
     mmap: object            # the doca_mmap
