@@ -16,8 +16,7 @@ import trio
 import zmq
 
 from . import __version__, config, curve, local_transport, metrics, protocol
-from .dma import RegionTable, make_engine
-from .dma.doca_binding import DocaError
+from .dma import EngineUnavailable, RegionTable, make_engine
 from .dma.loopback import serve_regions
 from .dram import DramPool
 from .journal import Journal, JournalError
@@ -65,7 +64,7 @@ class Daemon:
         self.notifier = Notifier()
         try:
             self.engine = make_engine(cfg.engine, cfg.doca)
-        except (ValueError, OSError, DocaError) as e:
+        except (ValueError, EngineUnavailable) as e:
             raise StartupError(f"engine {cfg.engine}: {e}") from None
         self.regions = RegionTable(self.engine)
         self.store = build_store(cfg, self.engine)

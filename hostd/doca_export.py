@@ -21,8 +21,6 @@ import logging
 import mmap
 from dataclasses import dataclass
 
-from bluecached.dma import doca_binding
-
 log = logging.getLogger("hostd.doca")
 DMABUF_IOVA = 1 << 44   # page-aligned, and far from any host address (see export_dmabuf)
 
@@ -45,9 +43,14 @@ class Export:
 
 class HostExporter:
     def __init__(self, library: str, pci_address: str):
-        self.doca = doca_binding.load(library)
-        self.pci_address = pci_address
-        self.dev = doca_binding.open_device(self.doca, pci_address)
+        from bluecached.dma import doca_binding  # here: only a doca deployment needs cffi
+        self.binding = doca_binding
+        try:
+            self.doca = doca_binding.load(library)
+            self.pci_address = pci_address
+            self.dev = doca_binding.open_device(self.doca, pci_address)
+        except doca_binding.DocaError as e:
+            raise ExportError(errno.EIO, str(e)) from None
         log.info("DOCA host exports through %s: %s", pci_address, self.doca.description)
 
     def export(self, address: int, length: int, writable: bool) -> Export:
@@ -83,7 +86,7 @@ class HostExporter:
             desc, size = ffi.new("const void **"), ffi.new("size_t *")
             doca.check(lib.doca_mmap_export_pci(m, self.dev, desc, size), "doca_mmap_export_pci")
             descriptor = bytes(ffi.buffer(desc[0], size[0]))
-        except doca_binding.DocaError as e:
+        except self.binding.DocaError as e:
             lib.doca_mmap_destroy(m)
             err = errno.EOPNOTSUPP if e.name == "DOCA_ERROR_NOT_SUPPORTED" else errno.EIO
             raise ExportError(err, str(e)) from None

@@ -271,7 +271,8 @@ class IoctlServer:
                     mapped.close()
                     raise
         except (ExportError, DocaSetupError) as e:
-            raise IoctlError(getattr(e, "errno", None) or errno.EOPNOTSUPP, str(e)) from None
+            raise IoctlError(getattr(e, "errno", None) or errno.EOPNOTSUPP,
+                             getattr(e, "strerror", None) or str(e)) from None
         try:
             r = await self.link.call("import_region", descriptor=export.descriptor,
                                      address=export.address, length=export.length)

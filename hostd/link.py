@@ -22,10 +22,9 @@ import pyfuse3
 import trio
 
 from bluecached.client import AsyncClient, RegionChannel, RemoteError, SharedRegion
-from bluecached.dma.doca_binding import DocaError
 from fusefs.cache import Attr
 
-from .doca_export import DocaSetupError
+from .doca_export import DocaSetupError, HostExporter
 
 log = logging.getLogger("hostd.link")
 
@@ -134,16 +133,15 @@ class DaemonLink:
     def doca_exporter(self):
         """The DOCA exporter (opened on first need: only a doca daemon asks for one)."""
         if self.exporter is None:
-            from .doca_export import HostExporter  # only a doca daemon needs DOCA loaded
             settings = self.doca_settings
             if settings is None:
                 raise RemoteError(errno.EOPNOTSUPP, "bluecached runs the doca engine but hostd "
                                                     "has no doca settings")
             try:
                 self.exporter = HostExporter(settings.library, settings.pci_address)
-            except (OSError, DocaError) as e:
+            except OSError as e:
                 raise DocaSetupError(f"bluecached runs the doca engine, but hostd cannot export "
-                                     f"memory with DOCA: {e}") from None
+                                     f"memory with DOCA: {e.strerror or e}") from None
         return self.exporter
 
     async def _import_staging(self) -> None:

@@ -26,7 +26,8 @@ import time
 import trio
 
 from . import doca_binding
-from .engine import DmaEngine, DmaError, Region
+from .doca_binding import DocaError
+from .engine import DmaEngine, DmaError, EngineUnavailable, Region
 
 log = logging.getLogger("bluecached.dma.doca")
 
@@ -66,10 +67,13 @@ class DocaEngine(DmaEngine):
 
     def __init__(self, settings):
         self.settings = settings
-        self.doca = doca_binding.load(settings.library)
         self._undo: list = []
         try:
+            self.doca = doca_binding.load(settings.library)
             self._open(settings)
+        except (OSError, DocaError) as e:
+            self._unwind()
+            raise EngineUnavailable(str(e)) from None
         except BaseException:
             self._unwind()
             raise

@@ -13,6 +13,11 @@ from collections.abc import Sequence
 import trio
 
 
+class EngineUnavailable(Exception):
+    """The configured engine cannot start here (no device, no library): an operator's problem,
+    reported in one line."""
+
+
 class DmaError(OSError):
     """Carries the errno a client gets for a bad region or a failed transfer."""
 

@@ -81,7 +81,9 @@ def test_host_package_contents(debs):
                  "./usr/include/bluecache_ioctl.h", "./lib/systemd/system/bluecached.service",
                  "./lib/systemd/system/bluecache-hostd.service",
                  "./etc/bluecache/bluecached.yaml", "./etc/bluecache/hostd.yaml",
-                 "/dist-packages/hostd/_fuse_shim.abi3.so", "/dist-packages/fusefs/operations.py"):
+                 "/dist-packages/hostd/_fuse_shim.abi3.so",
+                 "/dist-packages/bluecached/dma/_doca_sim.abi3.so",
+                 "/dist-packages/fusefs/operations.py"):
         assert path in listing, path
     conffiles = _run(["dpkg-deb", "-I", str(found["bluecache-host"]), "conffiles"]).stdout.split()
     assert sorted(conffiles) == ["/etc/bluecache/bluecached.yaml", "/etc/bluecache/hostd.yaml"]
