@@ -122,6 +122,7 @@ def main() -> int:
     os.environ["DOCA_SIM_MAX_BUF_SIZE"] = str(max(CHUNKS))   # the simulated device's cap
     block, rounds = args.block_mib * MiB, args.rounds
     started = time.time()
+    load_at_start = os.getloadavg()   # a busy machine shows: single configs vary run to run
 
     def show(name, r):
         print(f"{name:28} to_store {r['to_store_mib_s']:8.1f} MiB/s   from_store "
@@ -152,6 +153,7 @@ def main() -> int:
                                                 / modes["thread"]["from_store_mib_s"], 2)
     machine = {"platform": platform.platform(), "cpu": cpu_model(), "cores": os.cpu_count(),
                "python": platform.python_version(),
+               "load_average_at_start": [round(x, 2) for x in load_at_start],
                "device": "no BlueField: the doca engine runs on the DOCA API simulator"}
     out = {"benchmark": "doca_bench", "block_mib": args.block_mib, "rounds": rounds,
            "loopback": loopback, "doca_completion_modes": modes,
@@ -179,7 +181,10 @@ def write_markdown(path: Path, out: dict) -> None:
         "DOCA API simulator, whose \"DMA\" is a CPU copy on a worker thread; what this shows is "
         "the engine's own cost (staging copy, per-chunk DOCA calls, completion handling), not "
         "DMA speed. Produced by `bench/doca_bench.py` "
-        f"(git {out['git']}), {out['block_mib']} MiB blocks, best of {out['rounds']}.",
+        f"(git {out['git']}), {out['block_mib']} MiB blocks, best of {out['rounds']}. "
+        f"Load average at start: {out['machine']['load_average_at_start']} (other work shared "
+        "the 2 cores: single points vary by up to ~2x between runs; the trends are what "
+        "holds).",
         "",
         "| engine | to_store MiB/s | from_store MiB/s |",
         "|---|---|---|",
