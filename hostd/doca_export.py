@@ -7,12 +7,12 @@ tcp+CURVE to the DPU — since whoever holds it can DMA into that memory.
 
 Client memory:
 - host memory (a memfd): mapped here, exported with doca_mmap_set_memrange;
-- GPU memory as a dma-buf fd (cuMemGetHandleForAddressRange): doca_mmap_set_dmabuf_memrange;
-- a GPU without dma-buf export: the same memory through nvidia-peermem, i.e. a CUDA IPC
-  handle opened here and its device address given to doca_mmap_set_memrange (hostd must be
-  able to open the handle: the CUDA driver and cuda-python on the host).
-When neither works the ioctl fails with EOPNOTSUPP and the client falls back to a host bounce
-buffer: cudaMemcpy into a SharedBuffer, then the same ioctl (docs/hardware.md).
+- GPU memory as a dma-buf fd (cuMemGetHandleForAddressRange): doca_mmap_set_dmabuf_memrange
+  (unproven on hardware: docs/hardware.md).
+The nvidia-peermem variant (a CUDA IPC handle opened here, its device address given to
+doca_mmap_set_memrange) is not implemented: CUDA IPC memory, like a dma-buf DOCA refuses, gets
+EOPNOTSUPP, and the client falls back to a host bounce buffer: cudaMemcpy into a SharedBuffer,
+then the same ioctl.
 """
 
 import ctypes
