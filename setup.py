@@ -1,4 +1,19 @@
-# Only for what pyproject.toml cannot say: the cffi-built ioctl shim (native/).
+# Only for what pyproject.toml cannot say: the cffi-built native parts (native/): the ioctl
+# shim, the DOCA API simulator, and the DOCA binding in API mode where the DOCA SDK is installed.
+import subprocess
+
 from setuptools import setup
 
-setup(cffi_modules=["native/build_fuse_shim.py:ffi"])
+
+def _doca_sdk() -> bool:
+    try:
+        return subprocess.run(["pkg-config", "--exists", "doca-dma", "doca-common"],
+                              check=False).returncode == 0
+    except OSError:
+        return False
+
+
+modules = ["native/build_fuse_shim.py:ffi", "native/build_doca_sim.py:ffi"]
+if _doca_sdk():
+    modules.append("native/build_doca_api.py:ffi")
+setup(cffi_modules=modules)

@@ -245,10 +245,27 @@ def as_flag() -> Parser:
 
 
 def as_count(*, minimum: int = 0, maximum: int = 1 << 31) -> Parser:
+    """A whole number in [minimum, maximum]."""
+
     def parse(value: Any) -> int:
         if isinstance(value, int) and not isinstance(value, bool) and minimum <= value <= maximum:
             return value
         raise ValueError(f"expected a whole number from {minimum} to {maximum}, "
+                         f"got {_show(value)}")
+
+    return parse
+
+
+_PCI_RE = re.compile(r"(?:[0-9a-f]{4}:)?[0-9a-f]{2}:[0-1][0-9a-f]\.[0-7]", re.IGNORECASE)
+
+
+def as_pci_address() -> Parser:
+    """A PCI address as DOCA takes it: "03:00.0" or "0000:03:00.0"."""
+
+    def parse(value: Any) -> str:
+        if isinstance(value, str) and _PCI_RE.fullmatch(value):
+            return value.lower()
+        raise ValueError(f'expected a PCI address such as "03:00.0" or "0000:03:00.0", '
                          f"got {_show(value)}")
 
     return parse
@@ -262,6 +279,20 @@ def as_text(*, pattern: str = r".*", wanted: str = "a string") -> Parser:
         if isinstance(value, str) and regex.fullmatch(value):
             return value
         raise ValueError(f"expected {wanted}, got {_show(value)}")
+
+    return parse
+
+
+def as_doca_library() -> Parser:
+    """Where the DOCA functions come from: "system" (the installed DOCA SDK), "simulator" (the
+    DOCA API simulator shipped with bluecache: no BlueField involved) or a library path."""
+
+    def parse(value: Any) -> str:
+        if value in ("system", "simulator") or (
+                isinstance(value, str) and value.startswith("/") and "\0" not in value):
+            return value
+        raise ValueError(f'expected "system", "simulator" or an absolute library path, '
+                         f"got {_show(value)}")
 
     return parse
 
@@ -485,6 +516,13 @@ def _remote_complete(remote: Any) -> tuple[str, str] | None:
     return None
 
 
+def _staging_holds_a_chunk(doca: Any) -> tuple[str, str] | None:
+    if doca.staging_size < doca.max_chunk:
+        return "staging_size", (f"expected at least max_chunk ({doca.max_chunk} bytes), "
+                                f"got {doca.staging_size}")
+    return None
+
+
 BLUECACHED = Schema("Config", (
     "bluecached configuration.\n"
     "\n"
@@ -501,7 +539,26 @@ BLUECACHED = Schema("Config", (
                        "Log verbosity: debug, info, warning or error.", live=True),
     "engine": Field(as_choice("loopback", "doca"), "loopback",
                     "Data mover: loopback (memfds passed over dma.sock, no DPU needed) or doca "
-                    "(BlueField DMA)."),
+                    "(BlueField DMA; see the doca section)."),
+    "doca": Schema("DocaConfig", "The doca engine (engine: doca): DOCA DMA on the BlueField.", {
+        "pci_address": Field(as_pci_address(), "03:00.0",
+                             "The DPU-side PCI function that does the DMA (`lspci` on the DPU; "
+                             "03:00.0 on a BlueField-3 in DPU mode)."),
+        "library": Field(as_doca_library(), "system",
+                         "system (the DOCA SDK in /opt/mellanox/doca), simulator (the DOCA API "
+                         "simulator shipped with bluecache, for tests and embedded mode: no "
+                         "BlueField involved) or the absolute path of a library."),
+        "queue_depth": Field(as_count(minimum=1, maximum=4096), 32,
+                             "DMA tasks in flight at once (capped by the device and by "
+                             "staging_size / max_chunk)."),
+        "staging_size": Field(as_size(minimum=1 * MiB, maximum=4 * GiB), "64MiB",
+                              "DPU memory the engine stages transfers in."),
+        "max_chunk": Field(as_size(minimum=4 * KiB, maximum=1 * GiB), "1MiB",
+                           "Largest single DMA task (also capped by the device's max_buf_size)."),
+        "completion": Field(as_choice("thread", "poll"), "thread",
+                            "How completions are collected: a dedicated progress thread, or a "
+                            "task polling doca_pe_progress in the event loop."),
+    }, check=_staging_holds_a_chunk),
     "control": Schema("ControlConfig", "Control plane (ZeroMQ).", {
         "listen": Field(as_endpoint(), "ipc",
                         'Request socket: "ipc" (a socket in state_dir) or "tcp://HOST:PORT".'),

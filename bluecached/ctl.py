@@ -37,7 +37,8 @@ def cmd_status(client, args) -> int:
         print(json.dumps(status))
         return 0
     print(f"bluecached {status['version']} (pid {status['pid']}): {status['summary']}")
-    for key in ("engine", "control", "events", "state_dir", "nvme_path", "o_direct",
+    print(f"  {'engine':13} {status['engine']}: {status['engine_detail']}")
+    for key in ("control", "events", "state_dir", "nvme_path", "o_direct",
                 "write_policy", "durability", "sessions"):
         print(f"  {key:13} {status[key]}")
     remote = status.get("remote")

@@ -16,7 +16,7 @@ import trio
 import zmq
 
 from . import __version__, config, curve, local_transport, metrics, protocol
-from .dma import RegionTable, make_engine
+from .dma import EngineUnavailable, RegionTable, make_engine
 from .dma.loopback import serve_regions
 from .dram import DramPool
 from .journal import Journal, JournalError
@@ -98,9 +98,9 @@ class Daemon:
         self.config_path = config_path
         self.notifier = Notifier()
         try:
-            self.engine = make_engine(cfg.engine)
-        except ValueError as e:
-            raise StartupError(f"engine: {e}") from None
+            self.engine = make_engine(cfg.engine, cfg.doca)
+        except (ValueError, EngineUnavailable) as e:
+            raise StartupError(f"engine {cfg.engine}: {e}") from None
         self.regions = RegionTable(self.engine)
         self.store = build_store(cfg, self.engine)
         self.verifier = Verifier(self.store)
@@ -142,6 +142,7 @@ class Daemon:
         cfg = self.cfg
         tiers = self.store.tiers
         return {"version": __version__, "pid": os.getpid(), "engine": self.engine.name,
+                "engine_detail": self.engine.describe(),
                 "state_dir": str(cfg.state_dir), "control": self.endpoints["control"],
                 "events": self.endpoints["events"],
                 "write_policy": cfg.write_policy, "durability": cfg.durability,
@@ -249,6 +250,7 @@ class Daemon:
 
     async def _start_services(self, services: trio.Nursery) -> None:
         cfg = self.cfg
+        await services.start(self.engine.serve)
         self.server = ControlServer(self.store, self.regions, self.status, self.stats,
                                     self.verifier, cfg.control.max_message_bytes,
                                     cfg.control.session_timeout)
@@ -257,8 +259,10 @@ class Daemon:
                              protocol.state_dir_endpoints(cfg.state_dir)["local"], self.server)
         self.events = SocketPump(self.publisher)
         services.start_soon(self.events.run)
-        await services.start(serve_regions,
-                             protocol.state_dir_endpoints(cfg.state_dir)["regions"], self.regions)
+        if self.engine.name == "loopback":   # the doca engine's regions come as DOCA exports
+            await services.start(serve_regions,
+                                 protocol.state_dir_endpoints(cfg.state_dir)["regions"],
+                                 self.regions)
         if cfg.metrics.listen:
             try:
                 await services.start(metrics.serve, cfg.metrics.listen, self.stats)

@@ -15,11 +15,13 @@ MAX_NAME = 4096      # generous: the namespace enforces NAME_MAX itself, with it
 MAX_STR = 4096
 MAX_LIST = 64
 MAX_FORGET = 4096
+MAX_BLOB = 65536     # a DOCA export descriptor (its size is the SDK's business)
 
 U64 = "u64"
 I64 = "i64"
 U32 = "u32"
 BYTES = "bytes"
+BLOB = "blob"
 STR = "str"
 BOOL = "bool"
 U32_LIST = "u32[]"
@@ -59,6 +61,8 @@ OPS: dict[str, tuple[dict, dict]] = {
     "du": ({}, {"path": STR}),
     "evict": ({}, {"path": STR, "all": BOOL}),
     "verify": ({}, {"start": BOOL}),
+    "import_region": ({"descriptor": BLOB, "address": U64, "length": U64}, {}),
+    "release_region": ({"region": U64}, {}),
 }
 
 
@@ -88,6 +92,8 @@ def _check(kind: str, value) -> bool:
         return 0 <= value < (1 << (64 if kind == U64 else 32))
     if kind == BYTES:
         return type(value) is bytes and len(value) <= MAX_NAME
+    if kind == BLOB:
+        return type(value) is bytes and 0 < len(value) <= MAX_BLOB
     if kind == STR:
         return type(value) is str and len(value) <= MAX_STR
     if kind == BOOL:

@@ -148,6 +148,7 @@ class ControlServer:
         return node.attrs()
 
     def _end_session(self, session: Session) -> int:
+        self.regions.remove_owner(session)
         released = self.store.release_session(session.id)
         for ino in session.known:
             self.store.unreference(ino)
@@ -288,6 +289,21 @@ class ControlServer:
         if not all and not path:
             raise FsError(errno.EINVAL, "evict needs a path or all")
         return self.store.evict(None if all else path)
+
+    async def op_import_region(self, session, descriptor, address, length) -> dict:
+        """A DOCA export from the host becomes a region of this session (doca engine only:
+        the descriptor grants DMA access, so it arrives only on this authenticated channel)."""
+        engine = self.regions.engine
+        if engine.name != "doca":
+            raise DmaError(errno.EOPNOTSUPP, f"this daemon runs the {engine.name} engine: it "
+                                             "imports no DOCA exports")
+        region = self.regions.add(engine.register(("export", descriptor, address, length),
+                                                  owner=session))
+        return {"region": region.id, "length": region.length}
+
+    async def op_release_region(self, session, region) -> dict:
+        self.regions.remove(region, owner=session)
+        return {}
 
     async def op_verify(self, session, start=False) -> dict:
         if start:

@@ -8,9 +8,11 @@ from bluecached.config import (
     Field,
     Schema,
     as_choice,
+    as_doca_library,
     as_duration,
     as_endpoint,
     as_path,
+    as_pci_address,
     changed_keys,
     load_yaml,
     render_defaults,
@@ -58,6 +60,16 @@ HOSTD = Schema("HostdConfig", (
         "request_timeout": Field(as_duration(), "30s",
                                  "How long an operation waits for bluecached (e.g. while it "
                                  "restarts) before it fails with EIO."),
+    }),
+    "doca": Schema("HostDocaConfig", (
+        "Used when bluecached runs the doca engine: hostd exports its staging memory and "
+        "zero-copy client buffers to the DPU with DOCA."), {
+        "pci_address": Field(as_pci_address(), "b1:00.0",
+                             "The host-side PCI function of the BlueField (`lspci -d 15b3:` on "
+                             "the host)."),
+        "library": Field(as_doca_library(), "system",
+                         "system (the DOCA SDK), simulator (the DOCA API simulator: no "
+                         "BlueField involved) or the absolute path of a library."),
     }),
     "mount": Schema("MountConfig", "FUSE mount options.", {
         "allow_other": Field(_as_bool, True,

@@ -29,7 +29,7 @@ from bluecached.zmqpump import SocketPump  # noqa: E402
 from fusefs import Operations, Timeouts  # noqa: E402
 
 from . import config  # noqa: E402
-from .link import DaemonLink  # noqa: E402
+from .link import DaemonLink, DocaSetupError  # noqa: E402
 from .mount import FSNAME, MountError, clear_stale, unmount  # noqa: E402
 
 log = logging.getLogger("hostd")
@@ -90,7 +90,8 @@ async def run(cfg, path: Path | None, notifier) -> None:
         client = LocalClient(control, client_name=name)
     else:
         client = AsyncClient(control, keys, client_name=name)
-    link = DaemonLink(client, regions, cfg.mount.staging_slots, cfg.daemon.request_timeout)
+    link = DaemonLink(client, regions, cfg.mount.staging_slots, cfg.daemon.request_timeout,
+                      cfg.doca)
     ops = Operations(link, Timeouts(cfg.mount.entry_timeout, cfg.mount.attr_timeout,
                                     cfg.mount.negative_timeout))
     link.on_restart = ops.forget_everything
@@ -102,6 +103,8 @@ async def run(cfg, path: Path | None, notifier) -> None:
             except trio.TooSlowError:
                 raise StartupError(f"bluecached does not answer at {control} (waited "
                                    f"{cfg.daemon.request_timeout:g}s): is it running?") from None
+            except DocaSetupError as e:
+                raise StartupError(str(e)) from None
             nursery.start_soon(link.watch)
             nursery.start_soon(link.forward_releases)
             nursery.start_soon(_follow_events, events, keys, ops)

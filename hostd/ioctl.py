@@ -20,6 +20,7 @@ import trio
 from bluecached.client import RegionChannel, RemoteError
 
 from . import ioctl_abi as abi
+from .doca_export import DocaSetupError, ExportError, MappedFd
 
 log = logging.getLogger("hostd.ioctl")
 
@@ -228,25 +229,65 @@ class IoctlServer:
         return x.pack()
 
     async def _move(self, store: bool, fh: int, fd: int, x) -> tuple[int, int]:
-        if self.link.regions_path is None:
-            raise IoctlError(errno.EOPNOTSUPP, "this engine cannot map host memfds")
         span = x.mem_offset + x.length
         kind = abi.MEM_KINDS[x.mem_kind]
+        if self.link.engine == "doca":
+            return await self._move_doca(store, fh, fd, x, kind)
+        if self.link.regions_path is None:
+            raise IoctlError(errno.EOPNOTSUPP, "this engine cannot map host memfds")
         # A connection of its own: the region dies with it, whatever happens here.
         channel = await trio.to_thread.run_sync(RegionChannel, self.link.regions_path)
         try:
             region = await trio.to_thread.run_sync(channel.register_fd, fd, span, kind)
-            if store:
-                r = await self.link.call("store", host_fh=fh, length=x.length, region=region,
-                                         region_offset=x.mem_offset)
-                return r["length"], r["size"]
-            r = await self.link.call("read", host_fh=fh, offset=x.file_offset,
-                                     length=x.length, region=region,
-                                     region_offset=x.mem_offset)
-            size = (await self.link.getattr(self.link.open_file(fh).ino)).size
-            return r["length"], size
+            return await self._move_region(store, fh, x, region, x.mem_offset)
         finally:
             channel.close()
+
+    async def _move_region(self, store: bool, fh: int, x, region: int,
+                           region_offset: int) -> tuple[int, int]:
+        if store:
+            r = await self.link.call("store", host_fh=fh, length=x.length, region=region,
+                                     region_offset=region_offset)
+            return r["length"], r["size"]
+        r = await self.link.call("read", host_fh=fh, offset=x.file_offset, length=x.length,
+                                 region=region, region_offset=region_offset)
+        size = (await self.link.getattr(self.link.open_file(fh).ino)).size
+        return r["length"], size
+
+    async def _move_doca(self, store: bool, fh: int, fd: int, x, kind: str) -> tuple[int, int]:
+        """The doca engine: the caller's memory is exported to the DPU for this one transfer,
+        read-only for a STORE. Only the DPU touches the bytes."""
+        try:
+            exporter = self.link.doca_exporter()
+            if kind == "dmabuf":
+                mapped = None
+                export = exporter.export_dmabuf(fd, x.mem_offset, x.length, writable=not store)
+            else:
+                mapped = MappedFd(fd, x.mem_offset + x.length)
+                try:
+                    export = exporter.export(mapped.address + x.mem_offset, x.length,
+                                             writable=not store)
+                except BaseException:
+                    mapped.close()
+                    raise
+        except (ExportError, DocaSetupError) as e:
+            raise IoctlError(getattr(e, "errno", None) or errno.EOPNOTSUPP,
+                             getattr(e, "strerror", None) or str(e)) from None
+        try:
+            r = await self.link.call("import_region", descriptor=export.descriptor,
+                                     address=export.address, length=export.length)
+            try:
+                return await self._move_region(store, fh, x, r["region"], 0)
+            finally:
+                with trio.CancelScope(shield=True):
+                    try:
+                        await self.link.call("release_region", region=r["region"])
+                    except RemoteError as e:   # the daemon went away: the region went with it
+                        log.info("release of region %d: %s", r["region"], e)
+        finally:
+            exporter.unexport(export)
+            if mapped is not None:
+                mapped.close()
 
     async def _query(self, fh: int, request: bytes) -> bytes:
         q = self._parse(request, abi.QUERY, abi.Query)

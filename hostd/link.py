@@ -12,6 +12,7 @@ wait for the reconnection up to `request_timeout`; the others fail with EIO, sin
 dead daemon applied them is unknown.
 """
 
+import ctypes
 import errno
 import logging
 import os
@@ -22,6 +23,8 @@ import trio
 
 from bluecached.client import AsyncClient, RegionChannel, RemoteError, SharedRegion
 from fusefs.cache import Attr
+
+from .doca_export import DocaSetupError, HostExporter
 
 log = logging.getLogger("hostd.link")
 
@@ -66,9 +69,13 @@ class OpenFile:
 
 class DaemonLink:
     def __init__(self, client: AsyncClient, regions_path: str | None, slots: int,
-                 request_timeout: float):
+                 request_timeout: float, doca_settings=None):
         self.client = client
         self.regions_path = regions_path
+        self.doca_settings = doca_settings   # hostd.yaml's doca section
+        self.exporter = None                 # HostExporter, once a daemon runs the doca engine
+        self.engine = None                   # the daemon's engine, from its hello
+        self._staging_export = None
         self.staging = Staging(slots)
         self.request_timeout = request_timeout
         self.bytes_copied = 0           # payload bytes hostd itself copied (POSIX path only)
@@ -100,7 +107,10 @@ class DaemonLink:
 
     async def _establish(self) -> None:
         hello = await self.client.handshake(timeout=2, replaces=self.session)
-        if self.regions_path is not None:
+        self.engine = hello["engine"]
+        if self.engine == "doca":
+            await self._import_staging()
+        elif self.regions_path is not None:
             channel = await trio.to_thread.run_sync(RegionChannel, self.regions_path)
             try:
                 region_id = await trio.to_thread.run_sync(channel.register, self.staging.region)
@@ -119,6 +129,32 @@ class DaemonLink:
                  hello["session"], "; it restarted" if restarted else "")
         if restarted:
             self.on_restart()
+
+    def doca_exporter(self):
+        """The DOCA exporter (opened on first need: only a doca daemon asks for one)."""
+        if self.exporter is None:
+            settings = self.doca_settings
+            if settings is None:
+                raise RemoteError(errno.EOPNOTSUPP, "bluecached runs the doca engine but hostd "
+                                                    "has no doca settings")
+            try:
+                self.exporter = HostExporter(settings.library, settings.pci_address)
+            except OSError as e:
+                raise DocaSetupError(f"bluecached runs the doca engine, but hostd cannot export "
+                                     f"memory with DOCA: {e.strerror or e}") from None
+        return self.exporter
+
+    async def _import_staging(self) -> None:
+        """Staging exported once per process; imported again after every (re)connection."""
+        if self._staging_export is None:
+            region = self.staging.region
+            self._staging_export = self.doca_exporter().export(
+                ctypes.addressof(ctypes.c_char.from_buffer(region.map)), region.length,
+                writable=True)
+        export = self._staging_export
+        r = await self.client.call("import_region", timeout=5, descriptor=export.descriptor,
+                                   address=export.address, length=export.length)
+        self.staging.region_id = r["region"]
 
     def _mark_lost(self, why: str) -> None:
         if self._connected.is_set():
@@ -308,4 +344,8 @@ class DaemonLink:
     def close(self) -> None:
         if self._channel is not None:
             self._channel.close()
+        if self._staging_export is not None:
+            self.exporter.unexport(self._staging_export)
+        if self.exporter is not None:
+            self.exporter.close()
         self.staging.region.close()

@@ -18,15 +18,23 @@ def harness(tmp_path):
 
 
 @pytest.fixture
-def daemon(tmp_path):
+def engine():
+    """The DMA engine the daemons of a test run: loopback, except where a directory's conftest
+    parametrizes it (tests/mount runs once with each engine)."""
+    return "loopback"
+
+
+@pytest.fixture
+def daemon(tmp_path, engine):
     """Factory of real bluecached processes; all are stopped at the end, and a test fails if
     a daemon logged a warning or error it did not declare with `allow_log`."""
-    from support import DaemonProcess
+    from support import DaemonProcess, engine_settings
 
     made = []
 
     def make(allow_log=(), **settings):
-        d = DaemonProcess(tmp_path / f"d{len(made)}", **settings)
+        d = DaemonProcess(tmp_path / f"d{len(made)}",
+                          **{**engine_settings(engine)["bluecached"], **settings})
         d.allowed_log = list(allow_log)
         made.append(d)
         return d
@@ -51,17 +59,18 @@ class Stack:
 
 
 @pytest.fixture
-def mounted(tmp_path, daemon):
+def mounted(tmp_path, daemon, engine):
     """Factory: start a real bluecached and a real hostd mounting a temp dir. Each stack is
     torn down (unmounted) at the end, and unexpected warnings in either log fail the test."""
-    from support import HostdProcess, force_unmount
+    from support import HostdProcess, engine_settings, force_unmount
 
     stacks = []
 
     def make(allow_log=(), hostd_settings=None, **settings):
         d = daemon(allow_log=allow_log, **settings).start()
         mnt = tmp_path / f"mnt{len(stacks)}"
-        h = HostdProcess(d, mnt, **(hostd_settings or {})).start()
+        h = HostdProcess(d, mnt, **{**engine_settings(engine)["hostd"],
+                                    **(hostd_settings or {})}).start()
         h.allowed_log = list(allow_log)
         stack = Stack(d, h, mnt)
         stacks.append(stack)

@@ -410,6 +410,18 @@ class HostdProcess:
                 and not any(a in line for a in allowed)]
 
 
+def engine_settings(engine: str) -> dict:
+    """Config settings (dotted keys) for bluecached and hostd to run `engine`. "doca" is the
+    DOCA engine on the DOCA API simulator: this machine has no BlueField."""
+    if engine == "loopback":
+        return {"bluecached": {}, "hostd": {}}
+    if engine == "doca":
+        return {"bluecached": {"engine": "doca", "doca.library": "simulator",
+                               "doca.pci_address": "03:00.0"},
+                "hostd": {"doca.library": "simulator", "doca.pci_address": "b1:00.0"}}
+    raise ValueError(engine)
+
+
 def is_mounted(path: Path) -> bool:
     return any(line.split()[4] == str(path)
                for line in Path("/proc/self/mountinfo").read_text().splitlines())

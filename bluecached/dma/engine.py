@@ -10,6 +10,13 @@ import itertools
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 
+import trio
+
+
+class EngineUnavailable(Exception):
+    """The configured engine cannot start here (no device, no library): an operator's problem,
+    reported in one line."""
+
 
 class DmaError(OSError):
     """Carries the errno a client gets for a bad region or a failed transfer."""
@@ -38,6 +45,14 @@ class Region:
 
 class DmaEngine(ABC):
     name: str
+
+    def describe(self) -> str:
+        """One line for logs and `bluecachectl status`: what moves the bytes."""
+        return self.name
+
+    async def serve(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        """The engine's service task, if it needs one (started before any transfer)."""
+        task_status.started()
 
     @abstractmethod
     def register(self, source, owner=None) -> Region:

@@ -27,6 +27,9 @@ POPULATE_LIMIT = 256 << 20
 class LoopbackEngine(DmaEngine):
     name = "loopback"
 
+    def describe(self) -> str:
+        return "loopback: shared memfds copied by the CPU (embedded mode, no DPU)"
+
     def register(self, source, owner=None) -> Region:
         """source: (kind, fd, length) with kind "memfd" or "dmabuf". The fd is the caller's
         to close: the mapping keeps the memory."""

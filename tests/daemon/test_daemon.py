@@ -172,10 +172,16 @@ def test_watchdog_pings_and_an_unread_notify_socket_never_stalls_the_daemon(daem
     assert any("WATCHDOG=1" in m for m in d.drain_notify())
 
 
-def test_an_engine_this_build_lacks_is_a_clear_startup_error(tmp_path):
+@pytest.mark.parametrize("doca, message", [
+    # This machine has no DOCA SDK: the default library cannot load.
+    ("{}", "engine doca: cannot load DOCA from libdoca_dma.so.2"),
+    ("{library: simulator, pci_address: '0000:42:00.0'}",
+     "no DOCA device at PCI address 0000:42:00.0 (found: 0000:03:00.0, 0000:b1:00.0)"),
+])
+def test_a_doca_engine_that_cannot_start_is_a_clear_startup_error(tmp_path, doca, message):
     path = tmp_path / "doca.yaml"
-    path.write_text(f"engine: doca\nstate_dir: {tmp_path / 'state'}\n")
+    path.write_text(f"engine: doca\ndoca: {doca}\nstate_dir: {tmp_path / 'state'}\n")
     r = subprocess.run([sys.executable, "-m", "bluecached.daemon", "--config", str(path)],
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 1
-    assert "unknown DMA engine 'doca'" in r.stderr and "Traceback" not in r.stderr
+    assert message in r.stderr and "Traceback" not in r.stderr

@@ -44,7 +44,9 @@ def test_host_package_contents(debs):
                  "./usr/include/bluecache_ioctl.h", "./lib/systemd/system/bluecached.service",
                  "./lib/systemd/system/bluecache-hostd.service",
                  "./etc/bluecache/bluecached.yaml", "./etc/bluecache/hostd.yaml",
-                 "/dist-packages/hostd/_fuse_shim.abi3.so", "/dist-packages/fusefs/operations.py",
+                 "/dist-packages/hostd/_fuse_shim.abi3.so",
+                 "/dist-packages/bluecached/dma/_doca_sim.abi3.so",
+                 "/dist-packages/fusefs/operations.py",
                  "./usr/share/man/man8/bluecached.8.gz", "./usr/share/man/man8/bluecachectl.8.gz",
                  "./usr/share/man/man8/bluecache-hostd.8.gz"):
         assert path in listing, path

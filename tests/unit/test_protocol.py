@@ -14,7 +14,7 @@ from bluecached.protocol import ProtocolError, decode_request, encode_request
 def test_round_trip_of_every_operation():
     sample = {protocol.U64: 7, protocol.U32: 5, protocol.I64: -3, protocol.BYTES: b"n\xff",
               protocol.STR: "s", protocol.BOOL: True, protocol.U32_LIST: [1],
-              protocol.U64_LIST: [1 << 40]}
+              protocol.U64_LIST: [1 << 40], protocol.BLOB: b"d" * 5000}
     for op, (required, optional) in protocol.OPS.items():
         args = {k: sample[t] for k, t in {**required, **optional}.items()}
         req = decode_request(encode_request(42, op, args))
@@ -37,6 +37,8 @@ def test_round_trip_of_every_operation():
      errno.EINVAL, True),
     (msgpack.packb({"v": 1, "id": 1, "op": "read", "args": []}), errno.EINVAL, True),
     (encode_request(3, "lookup", {"parent": 1, "name": b"x" * 5000}), errno.EINVAL, True),
+    (encode_request(3, "import_region", {"descriptor": b"", "address": 0, "length": 1}),
+     errno.EINVAL, True),
 ])
 def test_malformed_requests_are_named(frame, err, has_id):
     with pytest.raises(ProtocolError) as e:
