@@ -12,7 +12,7 @@ import time
 import pytest
 
 from connectors import block_name, llmd_read, llmd_write
-from support import HostdProcess, MiB, force_unmount, pattern, wait_settled
+from support import MiB, force_unmount, pattern, wait_settled
 
 BLOCK = 32 * MiB
 DOWN_LOG = ("remote tier unreachable",)
@@ -66,9 +66,7 @@ def restart(stack, wipe_local: bool) -> None:
     if wipe_local:
         shutil.rmtree(stack.daemon.root / "nvme")
     stack.daemon.start()
-    stack.hostd = HostdProcess(stack.daemon, stack.mnt)
-    stack.hostd.allowed_log = list(stack.daemon.allowed_log)
-    stack.hostd.start()
+    stack.hostd.start()   # the same config: the same engine settings
 
 
 def test_host_b_reads_what_host_a_wrote_and_survives_restarts(mounted, ceph, bucket):
