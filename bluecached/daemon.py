@@ -49,7 +49,9 @@ def build_store(cfg, engine) -> Store:
         except OSError as e:
             raise StartupError(f"NVMe tier at {nvme_cfg.path}: {e}") from None
     dram = cfg.tiers.dram
-    tiers = Tiers(DramPool(dram.size), Watermarks(dram.high_watermark, dram.low_watermark),
+    pool = DramPool(dram.size)
+    pool.before_unmap = getattr(engine, "forget_host_memory", None)
+    tiers = Tiers(pool, Watermarks(dram.high_watermark, dram.low_watermark),
                   nvme, Watermarks(nvme_cfg.high_watermark, nvme_cfg.low_watermark),
                   journal, cfg.write_policy == "write-through", cfg.journal_max_bytes,
                   remove_object=lambda node, reason: store.remove_object(node, reason))

@@ -16,6 +16,8 @@ class DramPool:
         self.capacity = capacity - capacity % CHUNK_SIZE
         self._free: list[mmap.mmap] = []
         self._in_use = 0
+        # Told before a chunk is unmapped (a DMA engine may hold a registration on it).
+        self.before_unmap = None
 
     @property
     def used_bytes(self) -> int:
@@ -45,11 +47,16 @@ class DramPool:
         if len(self._free) < self.capacity // CHUNK_SIZE - self._in_use:
             self._free.append(chunk)
         else:  # capacity shrank: let it go
-            chunk.close()
+            self._unmap(chunk)
+
+    def _unmap(self, chunk: mmap.mmap) -> None:
+        if self.before_unmap is not None:
+            self.before_unmap(chunk)
+        chunk.close()
 
     def close(self) -> None:
         for chunk in self._free:
-            chunk.close()
+            self._unmap(chunk)
         self._free.clear()
 
 

@@ -63,6 +63,7 @@ OPS: dict[str, tuple[dict, dict]] = {
     "verify": ({}, {"start": BOOL}),
     "import_region": ({"descriptor": BLOB, "address": U64, "length": U64}, {}),
     "release_region": ({"region": U64}, {}),
+    "import_cuda_ipc": ({"handle": BYTES, "offset": U64, "length": U64}, {}),
 }
 
 

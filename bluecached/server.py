@@ -301,6 +301,22 @@ class ControlServer:
                                                   owner=session))
         return {"region": region.id, "length": region.length}
 
+    async def op_import_cuda_ipc(self, session, handle, offset, length) -> dict:
+        """CUDA device memory named by an IPC handle becomes a region of this session: opened
+        here, copied by the GPU (loopback engine; the doca engine takes GPU memory as dma-buf
+        exports instead)."""
+        engine = self.regions.engine
+        if engine.name != "loopback":
+            raise DmaError(errno.EOPNOTSUPP, f"the {engine.name} engine does not open CUDA IPC "
+                                             "handles: export the memory as a dma-buf fd")
+        # Opening may initialise CUDA (a second or more) and blocks: a worker thread.
+        region = await trio.to_thread.run_sync(
+            engine.register, ("cuda_ipc", handle, offset, length), session)
+        if session not in self.sessions.values():   # it ended while the handle was opening
+            engine.release(region)
+            raise DmaError(errno.ECONNRESET, "the session ended during import_cuda_ipc")
+        return {"region": self.regions.add(region).id, "length": region.length}
+
     async def op_release_region(self, session, region) -> dict:
         self.regions.remove(region, owner=session)
         return {}

@@ -201,9 +201,8 @@ class IoctlServer:
             raise IoctlError(errno.EINVAL, "offset or length out of range")
         if store and x.file_offset:
             raise IoctlError(errno.EINVAL, "STORE replaces the whole content: file_offset 0")
-        if x.mem_kind == abi.MEM_CUDA_IPC:
-            raise IoctlError(errno.EOPNOTSUPP, "CUDA IPC memory needs the CUDA-capable engine "
-                                               "(not in this build)")
+        if x.mem_kind == abi.MEM_CUDA_IPC and not any(x.cuda_ipc_handle):
+            raise IoctlError(errno.EINVAL, "CUDA_IPC with an all-zero handle")
         open_file = self.link.open_file(fh)
         if open_file is None:
             raise IoctlError(errno.EBADF, "not an open file of this mount")
@@ -217,6 +216,8 @@ class IoctlServer:
             if store:
                 await self.link.setattr(open_file.ino, size=0)
             size = (await self.link.getattr(open_file.ino)).size
+        elif x.mem_kind == abi.MEM_CUDA_IPC:
+            moved, size = await self._move_cuda(store, fh, x)
         else:
             fd = await trio.to_thread.run_sync(take_memory, pid, x.fd, x.mem_kind,
                                                x.mem_offset, x.length)
@@ -253,6 +254,25 @@ class IoctlServer:
                                  region=region, region_offset=region_offset)
         size = (await self.link.getattr(self.link.open_file(fh).ino)).size
         return r["length"], size
+
+    async def _move_cuda(self, store: bool, fh: int, x) -> tuple[int, int]:
+        """CUDA device memory: bluecached opens the caller's IPC handle and the GPU copies.
+        A handle is a capability: whoever holds its bytes can open the memory with
+        cuIpcOpenMemHandle themselves, so passing one grants nothing the caller lacks."""
+        if self.link.engine == "doca":
+            raise IoctlError(errno.EOPNOTSUPP, "the doca engine takes GPU memory as a dma-buf "
+                                               "fd (cuMemGetHandleForAddressRange), not as a "
+                                               "CUDA IPC handle")
+        r = await self.link.call("import_cuda_ipc", handle=x.cuda_ipc_handle,
+                                 offset=x.mem_offset, length=x.length)
+        try:
+            return await self._move_region(store, fh, x, r["region"], 0)
+        finally:
+            with trio.CancelScope(shield=True):
+                try:
+                    await self.link.call("release_region", region=r["region"])
+                except RemoteError as e:   # the daemon went away: the region went with it
+                    log.info("release of region %d: %s", r["region"], e)
 
     async def _move_doca(self, store: bool, fh: int, fd: int, x, kind: str) -> tuple[int, int]:
         """The doca engine: the caller's memory is exported to the DPU for this one transfer,

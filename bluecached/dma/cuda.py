@@ -98,7 +98,10 @@ class CudaContext:
         h = self.cu.CUipcMemHandle()
         ctypes.memmove(h.getPtr(), handle, IPC_HANDLE_SIZE)
         flags = self.cu.CUipcMem_flags.CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS
-        dptr = self._check(self.cu.cuIpcOpenMemHandle(h, flags), "cuIpcOpenMemHandle")
+        try:
+            dptr = self._check(self.cu.cuIpcOpenMemHandle(h, flags), "cuIpcOpenMemHandle")
+        except DmaError as e:  # the handle is the client's input: whatever the driver says
+            raise DmaError(errno.EINVAL, f"not an open CUDA allocation: {e.strerror}") from None
         try:
             base, size = self._check(self.cu.cuMemGetAddressRange(dptr), "cuMemGetAddressRange")
         except BaseException:

@@ -1,8 +1,10 @@
-"""The loopback engine (embedded mode): regions are memfds shared with the client.
+"""The loopback engine (embedded mode): regions are memfds shared with the client, or CUDA
+device memory named by an IPC handle.
 
 hostd passes each memfd over `<state_dir>/dma.sock` (SCM_RIGHTS); the daemon maps it and copies
 with memcpy. The memfd must be sealed against shrinking: a client that truncated a mapped file
-would make the daemon fault (SIGBUS) on the next copy.
+would make the daemon fault (SIGBUS) on the next copy. CUDA IPC handles arrive on the control
+channel (`import_cuda_ipc`); the GPU copies (dma/cuda.py).
 """
 
 import array
@@ -13,6 +15,7 @@ import logging
 import mmap
 import os
 import socket
+import threading
 
 import msgpack
 import trio
@@ -27,12 +30,20 @@ POPULATE_LIMIT = 256 << 20
 class LoopbackEngine(DmaEngine):
     name = "loopback"
 
+    def __init__(self, cuda_device: int = 0):
+        self.cuda_device = cuda_device
+        self._cuda = None          # a CudaContext, made on the first CUDA region
+        self._cuda_lock = threading.Lock()
+
     def describe(self) -> str:
         return "loopback: shared memfds copied by the CPU (embedded mode, no DPU)"
 
     def register(self, source, owner=None) -> Region:
         """source: (kind, fd, length) with kind "memfd" or "dmabuf". The fd is the caller's
-        to close: the mapping keeps the memory."""
+        to close: the mapping keeps the memory. Or ("cuda_ipc", handle, offset, length): this
+        blocks (it may initialise CUDA), so call it from a worker thread."""
+        if source[0] == "cuda_ipc":
+            return self._register_cuda(*source[1:], owner=owner)
         kind, fd, length = source
         if not 0 < length <= MAX_REGION:
             raise DmaError(errno.EINVAL, f"region length {length} is out of range")
@@ -62,12 +73,43 @@ class LoopbackEngine(DmaEngine):
             raise DmaError(errno.EOPNOTSUPP, f"cannot map this {kind}: {e.strerror}") from None
         return Region(length, kind, (mapping, memoryview(mapping)), owner)
 
+    def _cuda_context(self):
+        with self._cuda_lock:
+            if self._cuda is None:
+                from .cuda import CudaContext
+                self._cuda = CudaContext(self.cuda_device)
+            return self._cuda
+
+    def _register_cuda(self, handle: bytes, offset: int, length: int, owner=None) -> Region:
+        if not 0 < length <= MAX_REGION or offset < 0:
+            raise DmaError(errno.EINVAL, f"CUDA span {offset}+{length} is out of range")
+        cuda = self._cuda_context()
+        base, size = cuda.open_ipc(handle)
+        if offset + length > size:
+            cuda.close_ipc(base)
+            raise DmaError(errno.EFAULT, f"span {offset}+{length} is outside the CUDA "
+                                         f"allocation of {size} bytes")
+        return Region(length, "cuda_ipc", (cuda, base, base + offset), owner)
+
+    def forget_host_memory(self, chunk) -> None:
+        """The DRAM pool is about to unmap `chunk`: drop a CUDA page-lock on it, if any."""
+        if self._cuda is not None:
+            self._cuda.unpin(chunk)
+
     def release(self, region: Region) -> None:
+        if region.kind == "cuda_ipc":
+            cuda, base, _ = region.handle
+            cuda.close_ipc(base)
+            return
         mapping, view = region.handle
         view.release()
         mapping.close()
 
     async def to_store(self, region, offset, dst) -> None:
+        if region.kind == "cuda_ipc":
+            cuda, _, start = region.handle
+            await trio.to_thread.run_sync(cuda.device_to_host, start + offset, dst)
+            return
         src = region.handle[1]
         pairs = []
         for d in dst:
@@ -76,6 +118,10 @@ class LoopbackEngine(DmaEngine):
         await _copy(pairs)
 
     async def from_store(self, src, region, offset) -> None:
+        if region.kind == "cuda_ipc":
+            cuda, _, start = region.handle
+            await trio.to_thread.run_sync(cuda.host_to_device, src, start + offset)
+            return
         dst = region.handle[1]
         pairs = []
         for s in src:

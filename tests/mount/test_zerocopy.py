@@ -191,7 +191,7 @@ BAD = [
     ("fd the caller does not have", lambda b: xfer(b, fd=987654), errno.EBADF),
     ("not a memfd", lambda b: xfer(b, fd=0), errno.EINVAL),
     ("STORE with a file offset", lambda b: xfer(b, file_offset=10), errno.EINVAL),
-    ("CUDA without a CUDA engine", lambda b: xfer(b, mem_kind=abi.MEM_CUDA_IPC), errno.EOPNOTSUPP),
+    ("CUDA with an all-zero handle", lambda b: xfer(b, mem_kind=abi.MEM_CUDA_IPC), errno.EINVAL),
 ]
 
 
@@ -201,6 +201,27 @@ def test_bad_store_requests(victim, name, make, err):
     with pytest.raises(OSError) as e:
         raw_ioctl(path, abi.IOC_STORE, make(buf))
     assert e.value.errno == err, name
+
+
+def _cuda_usable() -> bool:
+    try:
+        from cuda.bindings import driver
+        return driver.cuInit(0)[0] == driver.CUresult.CUDA_SUCCESS and \
+            driver.cuDeviceGetCount()[1] > 0
+    except Exception:  # no cuda-python, no libcuda
+        return False
+
+
+def test_cuda_handle_where_cuda_is_unusable_is_refused_and_stores_nothing(victim):
+    s, path, buf = victim
+    if _cuda_usable():
+        pytest.skip("this machine has a usable GPU: tests/gpu exercises CUDA memory")
+    with pytest.raises(OSError) as e:   # the fixture checks the file kept its content
+        raw_ioctl(path, abi.IOC_STORE, xfer(buf, mem_kind=abi.MEM_CUDA_IPC,
+                                            cuda_ipc_handle=bytes(range(1, 65))))
+    assert e.value.errno == errno.EOPNOTSUPP
+    with SharedBuffer(4096) as b:                  # still serving
+        assert store_from(str(s.mnt / "after-cuda.bin"), b) == 4096
 
 
 def test_closed_and_unsealed_fds(victim):
