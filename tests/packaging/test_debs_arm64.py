@@ -3,7 +3,8 @@ arm64 bookworm root under qemu-user (`scripts/build-debs.sh --arch arm64`), lint
 installed with apt and Debian's arm64 dependencies into a fresh minimal arm64 root, and started
 as `systemctl start bluecached` in that root booted with systemd-nspawn — every arm64 binary,
 systemd included, emulated by qemu-user. A 32 MiB block goes through the daemon's protocol and
-survives a restart; stop and purge behave as on the host.
+survives a restart; then bluecached runs the doca engine on the DOCA API simulator the package
+ships (compiled for arm64 in the build); stop and purge behave as on the host.
 
 The only change to the shipped unit is a drop-in with PrivateIPC=no: qemu-user cannot emulate
 the IPC namespace set-up (systemd fails with "Failed to set up IPC namespacing: Input/output
@@ -46,7 +47,8 @@ def test_dpu_package_lintian_and_contents(dpu_deb):
     listing = run(["dpkg-deb", "-c", str(deb)]).stdout
     for path in ("./usr/bin/bluecached", "./usr/bin/bluecachectl",
                  "./lib/systemd/system/bluecached.service", "./etc/bluecache/bluecached.yaml",
-                 "/dist-packages/bluecached/daemon.py", "./usr/share/man/man8/bluecached.8.gz"):
+                 "/dist-packages/bluecached/daemon.py", "./usr/share/man/man8/bluecached.8.gz",
+                 "/dist-packages/bluecached/dma/_doca_sim.abi3.so"):
         assert path in listing, path
     for absent in ("hostd", "fusefs", "bluecache-hostd", "bluecache_ioctl.h"):
         assert absent not in listing, absent
@@ -92,6 +94,14 @@ def test_dpu_package_installs_and_bluecached_runs_under_systemd(dpu_deb, arm64_c
         c.sh("python3 /root/dpu_roundtrip.py check", timeout=300).stdout
     show = c.sh("systemctl show -p ActiveState -p NRestarts bluecached").stdout
     assert sorted(show.split()) == ["ActiveState=active", "NRestarts=0"], show
+
+    # The DPU's engine: doca, here on the DOCA API simulator the package ships (arm64 build).
+    c.sh("sed -i -e 's/^engine: loopback$/engine: doca/' "
+         "-e 's/^  library: system$/  library: simulator/' /etc/bluecache/bluecached.yaml && "
+         "systemctl restart bluecached")
+    status = c.sh("bluecachectl status").stdout
+    assert "engine        doca: SIMULATOR (no BlueField)" in status, status
+    assert "block.bin" in c.sh("bluecachectl ls /").stdout   # the cache outlived the switch
 
     c.sh("apt-get purge -y -q bluecache-dpu")
     assert c.sh("pgrep -x bluecached", check=False).returncode == 1
