@@ -64,7 +64,8 @@ class Container:
              "--keep-unit", "--private-network", "--bind=/dev/fuse", "--console=pipe",
              "systemd.firstboot=off"],
             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        deadline = time.monotonic() + 60
+        # Generous: a loaded 2-core machine, or qemu-user emulating every arm64 binary.
+        deadline = time.monotonic() + 180
         while time.monotonic() < deadline and self.leader is None:
             assert self.proc.poll() is None, "systemd-nspawn exited"
             children = Path(f"/proc/{self.proc.pid}/task/{self.proc.pid}/children")
@@ -76,7 +77,10 @@ class Container:
         while time.monotonic() < deadline and state not in ("running", "degraded"):
             state = self.sh("systemctl is-system-running", check=False).stdout.strip()
             time.sleep(0.5)
-        assert state in ("running", "degraded"), state
+        assert state in ("running", "degraded"), \
+            f"systemd in the container is {state!r} after 180 s:\n" + \
+            self.sh("systemctl list-jobs --no-pager; systemctl --failed --no-pager",
+                    check=False).stdout
 
     def sh(self, script: str, check=True, timeout=300) -> subprocess.CompletedProcess:
         return run([tool("nsenter"), "-t", str(self.leader), "-a", "sh", "-ec", script],
