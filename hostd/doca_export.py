@@ -9,10 +9,10 @@ Client memory:
 - host memory (a memfd): mapped here, exported with doca_mmap_set_memrange;
 - GPU memory as a dma-buf fd (cuMemGetHandleForAddressRange): doca_mmap_set_dmabuf_memrange
   (unproven on hardware: docs/hardware.md).
-The nvidia-peermem variant (a CUDA IPC handle opened here, its device address given to
-doca_mmap_set_memrange) is not implemented: CUDA IPC memory, like a dma-buf DOCA refuses, gets
-EOPNOTSUPP, and the client falls back to a host bounce buffer: cudaMemcpy into a SharedBuffer,
-then the same ioctl.
+- GPU memory as a CUDA IPC handle: opened by hostd, exported as a dma-buf, else by its device
+  address with doca_mmap_set_memrange (nvidia-peermem); see hostd/ioctl.py. Where neither
+  works the caller gets EOPNOTSUPP and falls back to a host bounce buffer (cudaMemcpy into a
+  SharedBuffer, then the same ioctl).
 """
 
 import ctypes

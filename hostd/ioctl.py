@@ -11,13 +11,16 @@ import ctypes
 import errno
 import fcntl
 import logging
+import mmap
 import os
 import stat
 import sys
+import threading
 
 import trio
 
 from bluecached.client import RegionChannel, RemoteError
+from bluecached.dma import DmaError
 
 from . import ioctl_abi as abi
 from .doca_export import DocaSetupError, ExportError, MappedFd
@@ -114,6 +117,8 @@ class IoctlServer:
         self.requests = 0
         self.zero_copy_bytes = 0
         self._nursery: trio.Nursery | None = None
+        self._cuda = None              # CUDA context for the doca engine's GPU exports
+        self._cuda_lock = threading.Lock()
         ffi = shim.ffi
 
         @ffi.def_extern()
@@ -260,9 +265,7 @@ class IoctlServer:
         A handle is a capability: whoever holds its bytes can open the memory with
         cuIpcOpenMemHandle themselves, so passing one grants nothing the caller lacks."""
         if self.link.engine == "doca":
-            raise IoctlError(errno.EOPNOTSUPP, "the doca engine takes GPU memory as a dma-buf "
-                                               "fd (cuMemGetHandleForAddressRange), not as a "
-                                               "CUDA IPC handle")
+            return await self._move_cuda_doca(store, fh, x)
         r = await self.link.call("import_cuda_ipc", handle=x.cuda_ipc_handle,
                                  offset=x.mem_offset, length=x.length)
         try:
@@ -273,6 +276,55 @@ class IoctlServer:
                     await self.link.call("release_region", region=r["region"])
                 except RemoteError as e:   # the daemon went away: the region went with it
                     log.info("release of region %d: %s", r["region"], e)
+
+    def _cuda_context(self):
+        with self._cuda_lock:   # worker threads: the first two ioctls may race here
+            if self._cuda is None:
+                from bluecached.dma.cuda import CudaContext
+                self._cuda = CudaContext(0)
+            return self._cuda
+
+    async def _move_cuda_doca(self, store: bool, fh: int, x) -> tuple[int, int]:
+        """GPU memory to the DPU: hostd opens the caller's IPC handle and exports the device
+        memory to DOCA as a dma-buf (cuMemGetHandleForAddressRange); where the driver gives
+        none, as a memrange over the device address, which DOCA can register only with
+        nvidia-peermem loaded. Neither is proven on hardware (docs/hardware.md); where both
+        fail the caller gets EOPNOTSUPP and copies into a SharedBuffer first."""
+        try:
+            cuda = await trio.to_thread.run_sync(self._cuda_context)
+            base, size = await trio.to_thread.run_sync(cuda.open_ipc, x.cuda_ipc_handle)
+        except DmaError as e:
+            raise IoctlError(e.errno, e.strerror) from None
+        try:
+            if x.mem_offset + x.length > size:
+                raise IoctlError(errno.EFAULT, f"span {x.mem_offset}+{x.length} is outside "
+                                               f"the CUDA allocation of {size} bytes")
+            try:
+                exporter = self.link.doca_exporter()
+                export, region_offset, dmabuf = await trio.to_thread.run_sync(
+                    _export_device_memory, cuda, exporter, base + x.mem_offset, x.length,
+                    not store)
+            except (ExportError, DocaSetupError) as e:
+                raise IoctlError(errno.EOPNOTSUPP, f"GPU memory cannot be exported to the "
+                                                   f"DPU here: {e}") from None
+            try:
+                r = await self.link.call("import_region", descriptor=export.descriptor,
+                                         address=export.address, length=export.length)
+                try:
+                    return await self._move_region(store, fh, x, r["region"], region_offset)
+                finally:
+                    with trio.CancelScope(shield=True):
+                        try:
+                            await self.link.call("release_region", region=r["region"])
+                        except RemoteError as e:
+                            log.info("release of region %d: %s", r["region"], e)
+            finally:
+                exporter.unexport(export)
+                if dmabuf is not None:
+                    os.close(dmabuf)
+        finally:
+            with trio.CancelScope(shield=True):
+                await trio.to_thread.run_sync(cuda.close_ipc, base)
 
     async def _move_doca(self, store: bool, fh: int, fd: int, x, kind: str) -> tuple[int, int]:
         """The doca engine: the caller's memory is exported to the DPU for this one transfer,
@@ -318,3 +370,24 @@ class IoctlServer:
                   (abi.TIER_NVME if "nvme" in tiers else 0)
         q.hostd_bytes_copied, q.zero_copy_bytes = self.link.bytes_copied, self.zero_copy_bytes
         return q.pack()
+
+
+HOST_PAGE = mmap.PAGESIZE
+
+
+def _export_device_memory(cuda, exporter, address: int, length: int, writable: bool):
+    """(export, offset of `address` in it, dma-buf fd to close after unexport or None)."""
+    start = address - address % HOST_PAGE             # dma-bufs cover whole host pages
+    end = -(-(address + length) // HOST_PAGE) * HOST_PAGE
+    try:
+        fd = cuda.dmabuf_fd(start, end - start)
+    except DmaError as e:
+        log.info("no dma-buf for GPU memory (%s): exporting the device range (peermem)", e)
+    else:
+        try:
+            return exporter.export_dmabuf(fd, 0, end - start, writable), address - start, fd
+        except ExportError as e:
+            os.close(fd)
+            log.info("DOCA refused the GPU dma-buf (%s): exporting the device range "
+                     "(peermem)", e)
+    return exporter.export(address, length, writable), 0, None

@@ -109,6 +109,14 @@ class CudaContext:
             raise
         return int(base), int(size)
 
+    def dmabuf_fd(self, address: int, length: int) -> int:
+        """A dma-buf fd for device memory [address, address + length) (host-page aligned): how
+        a NIC or a DPU reaches GPU memory. The caller closes it."""
+        self._current()
+        kind = self.cu.CUmemRangeHandleType.CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD
+        return int(self._check(self.cu.cuMemGetHandleForAddressRange(
+            self.cu.CUdeviceptr(address), length, kind, 0), "cuMemGetHandleForAddressRange"))
+
     def close_ipc(self, address: int) -> None:
         self._current()
         self._check(self.cu.cuIpcCloseMemHandle(self.cu.CUdeviceptr(address)),
