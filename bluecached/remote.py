@@ -16,7 +16,8 @@ does, all on the event loop with the blocking S3 calls in worker threads (blueca
   file queues the fetch of its bytes; `prefetch` of them run at once, in lookup order, while
   the prefetched-but-unread bytes stay under `prefetch_max_bytes` (and half of DRAM). A
   prefetch takes only DRAM that is free or held by clean objects, never waits for room (it is
-  dropped instead), and verifies the checksum before the bytes are attached exactly as a
+  dropped instead), keeps what it fetched pinned in DRAM until it is read (or for a minute),
+  and verifies the checksum before the bytes are attached exactly as a
   read's fetch does; a reader of the object meanwhile waits for it on the content lock.
 - failures: a request that gets no answer marks the tier down; lookups then miss at once,
   uploads wait in the queue, and a probe brings the tier back. Local tiers never wait on it.
@@ -377,9 +378,16 @@ class RemoteTier:
 
     def note_read(self, node: Inode) -> None:
         """A client read the object: prefetched bytes it was holding are now in use."""
-        if self._unread.pop(node.ino, None) is not None:
+        if self._release_unread(node.ino):
             self.stats.prefetches_read += 1
-            self._wake_prefetcher()
+
+    def _release_unread(self, ino: int) -> bool:
+        entry = self._unread.pop(ino, None)
+        if entry is None:
+            return False
+        self.store.tiers.unpin(entry[0].obj)
+        self._wake_prefetcher()
+        return True
 
     def prefetch_budget(self) -> int:
         return min(self.policy.prefetch_max_bytes, self.store.tiers.dram.capacity // 2)
@@ -391,7 +399,7 @@ class RemoteTier:
         total = self._prefetching_bytes
         for ino, (node, since) in list(self._unread.items()):
             if node.parent is None or node.obj.chunks is None or since < cutoff:
-                del self._unread[ino]
+                self._release_unread(ino)
             else:
                 total += node.size
         return total
@@ -423,8 +431,7 @@ class RemoteTier:
                     self.stats.prefetches_dropped += 1
                     continue
                 self._prefetch_queue.popleft()
-                chunks = self.store.tiers.try_take_chunks(
-                    chunk_count(node.size), keep=lambda n: n.ino in self._unread)
+                chunks = self.store.tiers.try_take_chunks(chunk_count(node.size))
                 if chunks is None:   # DRAM pressure: leave it to the reader
                     self.stats.prefetches_dropped += 1
                     continue
@@ -449,6 +456,9 @@ class RemoteTier:
                 except FsError as e:   # counted and logged by fetch; a reader gets EIO or a miss
                     log.info("prefetch of inode %d: %s", node.ino, e)
                     return
+                # pinned until read (or aged out): the evictor would otherwise take these
+                # first, as the blocks being read are the most recently used ones
+                self.store.tiers.pin(obj)
                 self._unread[node.ino] = (node, trio.current_time())
         finally:
             self._prefetching -= 1
@@ -577,6 +587,7 @@ class RemoteTier:
                 _, node = self._delayed.popleft()
                 self.admit(node, "aged")
             self._expire_placeholders()
+            self.unread_bytes()   # unpins prefetched objects that aged out unread
             bounded = self.policy.max_bytes or self.policy.max_age
             if bounded and self.reachable and now - last_enforce >= self.policy.enforce_interval:
                 last_enforce = now

@@ -243,11 +243,11 @@ class Tiers:
             self._pressure.set()
         return got
 
-    def try_take_chunks(self, count: int, keep=lambda node: False) -> list | None:
+    def try_take_chunks(self, count: int) -> list | None:
         """`count` unzeroed chunks now, evicting clean objects NVMe also holds (least recently
-        used first, none that `keep(node)`) if need be, or None (nothing taken) where that
-        would mean waiting: for speculative work (a prefetch) that must neither stall nor push
-        out data no tier below holds."""
+        used first) if need be, or None (nothing taken) where that would mean waiting: for
+        speculative work (a prefetch) that must neither stall nor push out data no tier below
+        holds."""
         got = []
         while len(got) < count:
             chunk = self.dram.take(False)
@@ -255,7 +255,7 @@ class Tiers:
                 got.append(chunk)
                 continue
             victim = next((n for n in self._evictable_dram()
-                           if not n.obj.dirty and n.obj.persisted and not keep(n)), None)
+                           if not n.obj.dirty and n.obj.persisted), None)
             if victim is None:
                 for c in got:
                     self.dram.give(c)
