@@ -218,6 +218,31 @@ def plot(results: dict, path: Path) -> None:
     fig.savefig(path, dpi=100)
 
 
+def baselines(results: dict) -> str:
+    runs = results.get("baselines") or []
+    if not runs:
+        return ""
+    rows = "\n".join(
+        f"| {r['label']} | {r['upload']:.2f} | {r['fetch']:.2f} | {r['check_s']:.2f} s | "
+        f"{r['read_s']:.2f} s ({r['ratio']:.2f}) | {r['interleaved_s']:.2f} s "
+        f"({r['ratio_interleaved']:.2f}) |" for r in runs)
+    return f"""
+Runs compared (the same script, on this machine, one after another; `--baseline` JSONs):
+
+| run | upload ratio | fetch ratio | prefix check | llm-d read | interleaved |
+|---|---|---|---|---|---|
+{rows}
+"""
+
+
+def summary(label: str, results: dict) -> dict:
+    o, p = results["per_object"], results["prefix_read"]
+    return {"label": label, "upload": o["ratio_put"], "fetch": o["ratio_get"],
+            "check_s": p["host_b_check_s"], "read_s": p["host_b_read_s"], "ratio": p["ratio"],
+            "interleaved_s": p["host_b_interleaved_s"],
+            "ratio_interleaved": p["ratio_interleaved"]}
+
+
 def write_md(results: dict, path: Path) -> None:
     o, p, m = results["per_object"], results["prefix_read"], results["machine"]
     med = {k: f"{v * 1000:.0f} ms" for k, v in o["median_s"].items()}
@@ -225,6 +250,10 @@ def write_md(results: dict, path: Path) -> None:
               f"(store alone {med['store_only']}) | {o['ratio_put']:.2f} |")
     fetch = (f"| fetch | GET {med['raw_get']} | lookup + read on host B {med['remote_fetch']} "
              f"| {o['ratio_get']:.2f} |")
+    llmd = (f"| llm-d: exists of every block ({p['host_b_check_s']:.2f} s), then open + read "
+            f"each | {p['host_b_read_s']:.2f} s | {p['ratio']:.2f} |")
+    interleaved = (f"| interleaved: exists, open, read, block by block (another prefix) | "
+                   f"{p['host_b_interleaved_s']:.2f} s | {p['ratio_interleaved']:.2f} |")
     path.write_text(f"""# Remote tier benchmark (bench/remote_bench.py)
 
 Run {results['when']} on {m['cpu_model']}, {m['cores']} cores, {m['memory_bytes'] >> 30} GiB,
@@ -238,9 +267,13 @@ includes Ceph's own CPU use on the same 2 cores. Nothing here ran on a BlueField
 {fetch}
 
 Host B reading a {p['blocks']}-block prefix ({p['bytes'] >> 20} MiB) that host A wrote, through
-its mount (exists + open + read per block, as the llm-d backend does):
-{p['host_b_read_s']:.2f} s, against {p['raw_io_s']:.2f} s for the {p['blocks']} plain GETs alone
-(ratio {p['ratio']:.2f}).
+its mount, against {p['raw_io_s']:.2f} s for the {p['blocks']} plain GETs alone:
+
+| pattern | host B | ratio |
+|---|---|---|
+{llmd}
+{interleaved}
+{baselines(results)}
 
 What the bluecached side does on top of the raw client: upload: the store through the
 protocol (DRAM), queueing, a CRC32C over the object, a multipart upload of 8 MiB parts, 4 at
@@ -259,6 +292,8 @@ def main() -> int:
                     "/tmp/bluecache-bench-quick/")
     ap.add_argument("--dir", type=Path, help="working directory (default: a new one in /var/tmp)")
     ap.add_argument("--out", type=Path, help="results directory (default docs/benchmarks)")
+    ap.add_argument("--baseline", action="append", default=[], metavar="LABEL=JSON",
+                    help="an earlier run's remote.json to list beside this one in the .md")
     ap.add_argument("--remote", action="append", default=[], metavar="KEY=VALUE",
                     help="extra remote: settings for both daemons, e.g. multipart_threshold=64MiB")
     args = ap.parse_args()
@@ -304,6 +339,9 @@ def main() -> int:
         cluster.stop()
         if not args.dir:
             shutil.rmtree(work, ignore_errors=True)
+    results["baselines"] = [summary(label, json.loads(Path(file).read_text()))
+                            for label, file in (b.split("=", 1) for b in args.baseline)]
+    results["baselines"].append(summary("this run", results))
     (out / "remote.json").write_text(json.dumps(results, indent=1) + "\n")
     plot(results, out / "remote.png")
     write_md(results, out / "remote.md")
