@@ -15,8 +15,11 @@ own state dir and mount) sharing one bucket, then measures in the same run:
                      CRC32C check, the engine's copy into the region
   prefix read (--prefix-blocks, 64 by default)
     raw_io           boto3 GETs of the 64 objects one after another (just the transfers)
-    host_b_read      host B reads the prefix that host A wrote, through its mount, as the llm-d
-                     backend does: os.path.exists then open/read per block
+    host_b_read      host B reads a prefix that host A wrote, through its mount, as the llm-d
+                     backend does: os.path.exists of every block of the prefix (the hit
+                     check), then open/read of each in order
+    host_b_interleaved  another prefix, exists then open/read block by block (the pattern
+                     of the first version of this benchmark)
 
 Ratios: raw_put / store_upload and raw_get / remote_fetch (target >= 0.9), raw_io /
 host_b_read. Results: docs/benchmarks/remote.{json,png,md}.
@@ -150,25 +153,42 @@ def per_object(s3, bucket: str, a: DaemonProcess, b: DaemonProcess, count: int) 
             "ratio_get": med["raw_get"] / med["remote_fetch"]}
 
 
-def prefix_read(s3, bucket: str, a_mnt: Path, b_mnt: Path, a: DaemonProcess,
-                blocks: int) -> dict:
-    names = [block_name(10_000 + i) for i in range(blocks)]
+def write_prefix(a_mnt: Path, a: DaemonProcess, first: int, blocks: int) -> list[str]:
+    names = [block_name(first + i) for i in range(blocks)]
     before = remote_stats(a)["uploads"]
     for i, name in enumerate(names):
         llmd_write(str(a_mnt), name, data_for(i), tag="a")
     wait_uploads(a, before + blocks)
+    return names
+
+
+def check(got: bytes, i: int, name: str) -> None:
+    assert len(got) == OBJECT and got[:64] == f"object {i:06d}".encode().ljust(64, b"."), name
+
+
+def prefix_read(s3, bucket: str, a_mnt: Path, b_mnt: Path, a: DaemonProcess,
+                b: DaemonProcess, blocks: int) -> dict:
+    names = write_prefix(a_mnt, a, 10_000, blocks)
     t0 = time.perf_counter()
     for name in names:
         s3.get_object(Bucket=bucket, Key=name)["Body"].read()
     raw = time.perf_counter() - t0
     t0 = time.perf_counter()
+    assert all(os.path.exists(b_mnt / name) for name in names)   # the hit check
+    checked = time.perf_counter() - t0
+    for i, name in enumerate(names):
+        check(llmd_read(str(b_mnt), name), i, name)
+    host_b = time.perf_counter() - t0
+    names = write_prefix(a_mnt, a, 20_000, blocks)
+    t0 = time.perf_counter()
     for i, name in enumerate(names):
         assert os.path.exists(b_mnt / name)
-        got = llmd_read(str(b_mnt), name)
-        assert got[:64] == f"object {i:06d}".encode().ljust(64, b"."), name
-    host_b = time.perf_counter() - t0
+        check(llmd_read(str(b_mnt), name), i, name)
+    interleaved = time.perf_counter() - t0
     return {"blocks": blocks, "bytes": blocks * OBJECT, "raw_io_s": raw, "host_b_read_s": host_b,
-            "ratio": raw / host_b}
+            "host_b_check_s": checked, "ratio": raw / host_b,
+            "host_b_interleaved_s": interleaved, "ratio_interleaved": raw / interleaved,
+            "b_remote_stats": remote_stats(b)}
 
 
 def plot(results: dict, path: Path) -> None:
@@ -198,6 +218,31 @@ def plot(results: dict, path: Path) -> None:
     fig.savefig(path, dpi=100)
 
 
+def baselines(results: dict) -> str:
+    runs = results.get("baselines") or []
+    if not runs:
+        return ""
+    rows = "\n".join(
+        f"| {r['label']} | {r['upload']:.2f} | {r['fetch']:.2f} | {r['check_s']:.2f} s | "
+        f"{r['read_s']:.2f} s ({r['ratio']:.2f}) | {r['interleaved_s']:.2f} s "
+        f"({r['ratio_interleaved']:.2f}) |" for r in runs)
+    return f"""
+Runs compared (the same script, on this machine, one after another; `--baseline` JSONs):
+
+| run | upload ratio | fetch ratio | prefix check | llm-d read | interleaved |
+|---|---|---|---|---|---|
+{rows}
+"""
+
+
+def summary(label: str, results: dict) -> dict:
+    o, p = results["per_object"], results["prefix_read"]
+    return {"label": label, "upload": o["ratio_put"], "fetch": o["ratio_get"],
+            "check_s": p["host_b_check_s"], "read_s": p["host_b_read_s"], "ratio": p["ratio"],
+            "interleaved_s": p["host_b_interleaved_s"],
+            "ratio_interleaved": p["ratio_interleaved"]}
+
+
 def write_md(results: dict, path: Path) -> None:
     o, p, m = results["per_object"], results["prefix_read"], results["machine"]
     med = {k: f"{v * 1000:.0f} ms" for k, v in o["median_s"].items()}
@@ -205,6 +250,10 @@ def write_md(results: dict, path: Path) -> None:
               f"(store alone {med['store_only']}) | {o['ratio_put']:.2f} |")
     fetch = (f"| fetch | GET {med['raw_get']} | lookup + read on host B {med['remote_fetch']} "
              f"| {o['ratio_get']:.2f} |")
+    llmd = (f"| llm-d: exists of every block ({p['host_b_check_s']:.2f} s), then open + read "
+            f"each | {p['host_b_read_s']:.2f} s | {p['ratio']:.2f} |")
+    interleaved = (f"| interleaved: exists, open, read, block by block (another prefix) | "
+                   f"{p['host_b_interleaved_s']:.2f} s | {p['ratio_interleaved']:.2f} |")
     path.write_text(f"""# Remote tier benchmark (bench/remote_bench.py)
 
 Run {results['when']} on {m['cpu_model']}, {m['cores']} cores, {m['memory_bytes'] >> 30} GiB,
@@ -218,9 +267,13 @@ includes Ceph's own CPU use on the same 2 cores. Nothing here ran on a BlueField
 {fetch}
 
 Host B reading a {p['blocks']}-block prefix ({p['bytes'] >> 20} MiB) that host A wrote, through
-its mount (exists + open + read per block, as the llm-d backend does):
-{p['host_b_read_s']:.2f} s, against {p['raw_io_s']:.2f} s for the {p['blocks']} plain GETs alone
-(ratio {p['ratio']:.2f}).
+its mount, against {p['raw_io_s']:.2f} s for the {p['blocks']} plain GETs alone:
+
+| pattern | host B | ratio |
+|---|---|---|
+{llmd}
+{interleaved}
+{baselines(results)}
 
 What the bluecached side does on top of the raw client: upload: the store through the
 protocol (DRAM), queueing, a CRC32C over the object, a multipart upload of 8 MiB parts, 4 at
@@ -238,6 +291,9 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="3 objects, 8 blocks, results to "
                     "/tmp/bluecache-bench-quick/")
     ap.add_argument("--dir", type=Path, help="working directory (default: a new one in /var/tmp)")
+    ap.add_argument("--out", type=Path, help="results directory (default docs/benchmarks)")
+    ap.add_argument("--baseline", action="append", default=[], metavar="LABEL=JSON",
+                    help="an earlier run's remote.json to list beside this one in the .md")
     ap.add_argument("--remote", action="append", default=[], metavar="KEY=VALUE",
                     help="extra remote: settings for both daemons, e.g. multipart_threshold=64MiB")
     args = ap.parse_args()
@@ -245,9 +301,10 @@ def main() -> int:
     if args.quick:
         args.objects, args.prefix_blocks = 3, 8
         out = Path("/tmp/bluecache-bench-quick")
+    out = args.out or out
     out.mkdir(parents=True, exist_ok=True)
     work = args.dir or Path(tempfile.mkdtemp(prefix="bluecache-remote-bench-", dir="/var/tmp"))
-    cluster = CephCluster(work / "ceph", memstore_bytes=(args.prefix_blocks + 8) * OBJECT
+    cluster = CephCluster(work / "ceph", memstore_bytes=(2 * args.prefix_blocks + 8) * OBJECT
                           + (1 << 30))
     stacks = []
     try:
@@ -259,7 +316,7 @@ def main() -> int:
         creds = cluster.write_credentials(work / "s3-credentials")
         extra = dict(kv.split("=", 1) for kv in args.remote)
         remote = cluster.s3_settings("bench", creds, **extra)
-        nvme = f"{(args.prefix_blocks + args.objects + 8) * 32 + 1024}MiB"
+        nvme = f"{(2 * args.prefix_blocks + args.objects + 8) * 32 + 1024}MiB"
         for name in ("a", "b"):
             d = DaemonProcess(work / name, remote=remote,
                               **{"tiers.dram.size": "512MiB", "tiers.nvme.size": nvme,
@@ -272,7 +329,7 @@ def main() -> int:
                                                              if k != "credentials_file"}}
         results["per_object"] = per_object(s3, "bench", a, b, args.objects)
         print(json.dumps(results["per_object"]["median_s"]), flush=True)
-        results["prefix_read"] = prefix_read(s3, "bench", work / "mnt-a", work / "mnt-b", a,
+        results["prefix_read"] = prefix_read(s3, "bench", work / "mnt-a", work / "mnt-b", a, b,
                                              args.prefix_blocks)
     finally:
         for d, h in stacks:
@@ -282,13 +339,17 @@ def main() -> int:
         cluster.stop()
         if not args.dir:
             shutil.rmtree(work, ignore_errors=True)
+    results["baselines"] = [summary(label, json.loads(Path(file).read_text()))
+                            for label, file in (b.split("=", 1) for b in args.baseline)]
+    results["baselines"].append(summary("this run", results))
     (out / "remote.json").write_text(json.dumps(results, indent=1) + "\n")
     plot(results, out / "remote.png")
     write_md(results, out / "remote.md")
     o, p = results["per_object"], results["prefix_read"]
     print(f"upload ratio {o['ratio_put']:.2f}, fetch ratio {o['ratio_get']:.2f}, "
           f"prefix read {p['host_b_read_s']:.2f}s vs raw {p['raw_io_s']:.2f}s "
-          f"({p['ratio']:.2f}); results in {out}")
+          f"({p['ratio']:.2f}), interleaved {p['host_b_interleaved_s']:.2f}s "
+          f"({p['ratio_interleaved']:.2f}); results in {out}")
     return 0
 
 

@@ -646,6 +646,14 @@ BLUECACHED = Schema("Config", (
                                      "downloaded in parallel ranges."),
         "part_concurrency": Field(as_count(minimum=1, maximum=64), 4,
                                   "Parts moved at once for one object."),
+        "prefetch": Field(as_count(minimum=0, maximum=64), 2,
+                          "Fetches started by a lookup that found a file (a connector checks "
+                          "a prefix of blocks, then reads them), run at once in lookup order; "
+                          "0: a file's bytes are fetched on its first read only."),
+        "prefetch_max_bytes": Field(as_size(), "256MiB",
+                                    "Prefetched bytes not read yet at most (and at most half "
+                                    "of DRAM); a prefetch that would need DRAM the tier cannot "
+                                    "free at once is dropped, and the read fetches instead."),
         "negative_ttl": Field(as_duration(), "2s",
                               "A name the remote tier lacked is not asked for again this long."),
         "retry_interval": Field(as_duration(), "5s",

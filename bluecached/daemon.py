@@ -74,7 +74,7 @@ def build_remote(rc):
             credentials = s3.load_credentials(rc.credentials_file)
         except ValueError as e:
             raise StartupError(f"remote tier: {e}") from None
-    connections = rc.upload_workers * rc.part_concurrency + 2 * rc.part_concurrency + 8
+    connections = (rc.upload_workers + rc.prefetch + 2) * rc.part_concurrency + 8
     try:
         client = s3.make_client(rc.endpoint, rc.region, credentials, rc.ca_bundle,
                                 rc.verify_tls, rc.addressing_style, rc.timeout, connections)
@@ -88,6 +88,7 @@ def build_remote(rc):
         queue_max=rc.queue_max, upload_workers=rc.upload_workers,
         negative_ttl=rc.negative_ttl, retry_interval=rc.retry_interval,
         max_bytes=rc.max_bytes, max_age=rc.max_age, enforce_interval=rc.enforce_interval,
+        prefetch=rc.prefetch, prefetch_max_bytes=rc.prefetch_max_bytes,
         describe={"endpoint": rc.endpoint or f"AWS S3 ({rc.region})", "bucket": rc.bucket})
     store = s3.S3Store(client, rc.bucket, rc.part_size, rc.multipart_threshold,
                        rc.part_concurrency)

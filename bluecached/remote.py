@@ -7,9 +7,18 @@ does, all on the event loop with the blocking S3 calls in worker threads (blueca
 - uploads: complete files (writers gone, final name) are admitted by policy (all, reread, age)
   into a bounded queue; past the bound they are dropped and counted. Workers upload them while
   the object is pinned (writes to it wait; reads do not).
-- lookups that miss locally ask S3 (HEAD, then a one-key LIST for a directory) and leave a
-  placeholder inode whose bytes are fetched (CRC32C checked) on first read; misses are kept in
-  a short negative cache so a connector's per-block lookups do not each cost a round trip.
+- lookups that miss locally ask S3 (HEAD and, at the same time, a one-key LIST for a
+  directory) and leave a placeholder inode whose bytes are fetched (CRC32C checked) on first
+  read; misses are kept in a short negative cache so a connector's per-block lookups do not
+  each cost a round trip, and the keys a LIST shows are remembered a while, so the directory
+  levels below it need no request and a file seen there only a HEAD.
+- prefetch: a connector checks a prefix of blocks, then reads them, so a lookup that finds a
+  file queues the fetch of its bytes; `prefetch` of them run at once, in lookup order, while
+  the prefetched-but-unread bytes stay under `prefetch_max_bytes` (and half of DRAM). A
+  prefetch takes only DRAM that is free or held by clean objects, never waits for room (it is
+  dropped instead), keeps what it fetched pinned in DRAM until it is read (or for a minute),
+  and verifies the checksum before the bytes are attached exactly as a
+  read's fetch does; a reader of the object meanwhile waits for it on the content lock.
 - failures: a request that gets no answer marks the tier down; lookups then miss at once,
   uploads wait in the queue, and a probe brings the tier back. Local tiers never wait on it.
 - capacity: a periodic listing deletes objects past `max_age`, then the oldest past
@@ -36,6 +45,9 @@ from .s3 import Changed, ChecksumMismatch, S3Error, S3Store
 log = logging.getLogger("bluecached.remote")
 
 NEGATIVE_CACHE_MAX = 65536
+LISTED_TTL_S = 30            # keys seen in a LIST are trusted this long (files: HEAD only)
+PREFETCH_QUEUE_MAX = 4096    # looked-up placeholders waiting for a prefetch slot
+PREFETCH_UNREAD_S = 60       # prefetched bytes nobody read stop counting against the bound
 PLACEHOLDER_TTL_S = 600      # a looked-up, never-read placeholder is forgotten after this
 MAINTAIN_INTERVAL_S = 5
 
@@ -46,6 +58,7 @@ class RemoteCounters:
     hits: int = 0
     misses: int = 0
     negative_hits: int = 0
+    listed_hits: int = 0         # directory lookups a recent LIST answered (no request)
     skipped_down: int = 0        # lookups answered as a miss because the tier was down
     uploads: int = 0
     upload_bytes: int = 0
@@ -54,6 +67,9 @@ class RemoteCounters:
     fetches: int = 0
     fetch_bytes: int = 0
     fetch_failures: int = 0
+    prefetches: int = 0          # fetches started by a lookup (also counted in fetches)
+    prefetches_dropped: int = 0  # not done: no DRAM room without waiting, queue full, down
+    prefetches_read: int = 0     # prefetched objects a client then read
     checksum_failures: int = 0
     deletes: int = 0             # unlinks propagated
     capacity_deletes: int = 0    # removed by max_bytes / max_age
@@ -76,6 +92,8 @@ class RemotePolicy:
     max_age: float = 0.0             # 0: unbounded
     enforce_interval: float = 60.0
     low_fraction: float = 0.9        # max_bytes enforcement deletes down to this fraction
+    prefetch: int = 2                # concurrent prefetches; 0: fetch on first read only
+    prefetch_max_bytes: int = 256 << 20
     describe: dict = field(default_factory=dict)   # endpoint, bucket, region for status
 
 
@@ -100,6 +118,12 @@ class RemoteTier:
         self._inflight: dict[str, trio.Event] = {}
         self._upload_limiter = trio.CapacityLimiter(max(1, policy.upload_workers))
         self._placeholders: dict[int, tuple[Inode, float, str]] = {}   # ino -> (node, since, key)
+        self._listed: dict[str, tuple[float, bool]] = {}   # key -> (expiry, is a directory)
+        self._prefetch_queue: deque[Inode] = deque()
+        self._prefetching = 0
+        self._prefetching_bytes = 0
+        self._unread: dict[int, tuple[Inode, float]] = {}   # prefetched, not read: ino -> since
+        self._prefetch_wake = trio.Event()
         self._nursery: trio.Nursery | None = None
 
     # -- keys ------------------------------------------------------------------------------
@@ -190,11 +214,61 @@ class RemoteTier:
             del self._inflight[key]
             done.set()
 
+    def _listed_as(self, key: str) -> bool | None:
+        """True: a recent LIST showed a key below `key/`; False: it showed `key` itself."""
+        entry = self._listed.get(key)
+        if entry is None:
+            return None
+        if entry[0] > trio.current_time():
+            return entry[1]
+        del self._listed[key]
+        return None
+
+    def _remember_listed(self, first: str) -> None:
+        """A LIST showed `first`: its directory levels exist and it is a file."""
+        if len(self._listed) >= NEGATIVE_CACHE_MAX:
+            self._listed.clear()
+        expiry = trio.current_time() + LISTED_TTL_S
+        self._listed[first] = (expiry, False)
+        cut = first.find("/", len(self.policy.prefix))
+        while cut != -1:
+            self._listed[first[:cut]] = (expiry, True)
+            cut = first.find("/", cut + 1)
+
+    async def _head_and_list(self, key: str) -> tuple:
+        """(HEAD of key, first key under key/), the two requests in flight together."""
+        out: dict[str, object] = {}
+
+        async def ask(what: str, fn, arg) -> None:
+            try:
+                out[what] = await self._thread(fn, arg)
+            except S3Error as e:   # kept: one S3Error for the caller, not an exception group
+                out[what] = e
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(ask, "head", self.s3.head, key)
+            nursery.start_soon(ask, "list", self.s3.first_key, key + "/")
+        for value in out.values():
+            if isinstance(value, S3Error):
+                raise value
+        return out["head"], out["list"]
+
     async def _ask(self, parent: int, name: bytes, key: str) -> Inode:
         store = self.store
+        listed = self._listed_as(key)
         try:
-            info = await self._thread(self.s3.head, key)
-            is_dir = info is None and await self._thread(self.s3.has_prefix, key + "/")
+            if listed is True:
+                info, first, is_dir = None, None, True
+                self.stats.listed_hits += 1
+            elif listed is False:   # a file, as far as a LIST knows: the LIST only if it is not
+                info = await self._thread(self.s3.head, key)
+                first = None if info else await self._thread(self.s3.first_key, key + "/")
+                is_dir = first is not None
+            else:
+                info, first = await self._head_and_list(key)
+                is_dir = info is None and first is not None
+            if is_dir and first is not None:
+                self._remember_listed(first)
         except S3Error as e:
             self._error(e)
             self.stats.misses += 1
@@ -213,23 +287,28 @@ class RemoteTier:
             return store.mkdir_like_parent(parent, name)
         node = store.add_placeholder(parent, name, info)
         self._placeholders[node.ino] = (node, trio.current_time(), key)
+        self._want_prefetch(node)
         return node
 
     # -- fetching a placeholder's bytes ----------------------------------------------------
 
-    async def fetch(self, node: Inode) -> None:
+    async def fetch(self, node: Inode, chunks: list | None = None) -> None:
         """Pulls a placeholder's bytes into DRAM (they are then written behind to NVMe like
-        any new object). Caller holds the content lock. On any failure the placeholder is
-        removed (the next lookup asks again) and the reader gets EIO, never unchecked bytes."""
+        any new object), into `chunks` if given (a prefetch's). Caller holds the content lock.
+        On any failure the placeholder is removed (the next lookup asks again) and the reader
+        gets EIO, never unchecked bytes: they are attached only once their CRC32C matched."""
         store, tiers, obj = self.store, self.store.tiers, node.obj
         info = obj.remote_info
         key = self._placeholders.pop(node.ino, (None, None, self.key_of(node)))[2]
         size = node.size
         if not self.reachable:
+            for c in chunks or ():
+                tiers.dram.give(c)
             self.stats.fetch_failures += 1
             store.remove_object(node, "remote tier unreachable")
             raise FsError(errno.EIO, f"remote tier unreachable: {self.last_error}")
-        chunks = await tiers.take_chunks(chunk_count(size), zero=False)
+        if chunks is None:
+            chunks = await tiers.take_chunks(chunk_count(size), zero=False)
         problem = None
         try:
             if key is None:
@@ -256,6 +335,10 @@ class RemoteTier:
             store.remove_object(node, "remote fetch failed")
             raise FsError(errno.EIO, f"remote tier: {problem}")
         self._recovered()
+        if store.ns.inodes.get(node.ino) is not node:   # unlinked and forgotten meanwhile
+            for c in chunks:
+                tiers.dram.give(c)
+            raise FsError(errno.ENOENT, "the file was removed while it was fetched")
         tail = size % CHUNK_SIZE
         if tail:
             chunks[-1][tail:] = bytes(CHUNK_SIZE - tail)   # past EOF reads as zeros
@@ -277,6 +360,110 @@ class RemoteTier:
             await self._thread(self.s3.delete, key)
         except S3Error as e:
             self._error(e)
+
+    # -- prefetch --------------------------------------------------------------------------
+
+    def _want_prefetch(self, node: Inode) -> None:
+        if self.policy.prefetch <= 0:
+            return
+        if len(self._prefetch_queue) >= PREFETCH_QUEUE_MAX:
+            self.stats.prefetches_dropped += 1
+            return
+        self._prefetch_queue.append(node)
+        self._wake_prefetcher()
+
+    def _wake_prefetcher(self) -> None:
+        self._prefetch_wake.set()
+        self._prefetch_wake = trio.Event()
+
+    def note_read(self, node: Inode) -> None:
+        """A client read the object: prefetched bytes it was holding are now in use."""
+        if self._release_unread(node.ino):
+            self.stats.prefetches_read += 1
+
+    def _release_unread(self, ino: int) -> bool:
+        entry = self._unread.pop(ino, None)
+        if entry is None:
+            return False
+        self.store.tiers.unpin(entry[0].obj)
+        self._wake_prefetcher()
+        return True
+
+    def prefetch_budget(self) -> int:
+        return min(self.policy.prefetch_max_bytes, self.store.tiers.dram.capacity // 2)
+
+    def unread_bytes(self) -> int:
+        """Bytes prefetched and not read yet (those evicted, removed or too old no longer
+        count)."""
+        cutoff = trio.current_time() - PREFETCH_UNREAD_S
+        total = self._prefetching_bytes
+        for ino, (node, since) in list(self._unread.items()):
+            if node.parent is None or node.obj.chunks is None or since < cutoff:
+                self._release_unread(ino)
+            else:
+                total += node.size
+        return total
+
+    @staticmethod
+    def _still_placeholder(node: Inode) -> bool:
+        obj = node.obj
+        return (node.parent is not None and obj is not None and obj.remote_info is not None
+                and obj.chunks is None and not (obj.lock is not None and obj.lock.locked()))
+
+    async def prefetcher(self) -> None:
+        """Starts queued prefetches in lookup order while slots and the byte bound allow."""
+        while True:
+            wake = self._prefetch_wake
+            while self._prefetch_queue and self._prefetching < self.policy.prefetch:
+                node = self._prefetch_queue[0]
+                if not self._still_placeholder(node):   # read, removed or being fetched
+                    self._prefetch_queue.popleft()
+                    continue
+                if not self.reachable:
+                    self._prefetch_queue.popleft()
+                    self.stats.prefetches_dropped += 1
+                    continue
+                unread = self.unread_bytes()
+                if unread + node.size > self.prefetch_budget():
+                    if unread or self._prefetching:
+                        break   # waits until something prefetched is read (or ages out)
+                    self._prefetch_queue.popleft()   # larger than the bound by itself
+                    self.stats.prefetches_dropped += 1
+                    continue
+                self._prefetch_queue.popleft()
+                chunks = self.store.tiers.try_take_chunks(chunk_count(node.size))
+                if chunks is None:   # DRAM pressure: leave it to the reader
+                    self.stats.prefetches_dropped += 1
+                    continue
+                self._prefetching += 1
+                self._prefetching_bytes += node.size
+                self._nursery.start_soon(self._prefetch, node, chunks)
+            with trio.move_on_after(MAINTAIN_INTERVAL_S):   # unread bytes also age out
+                await wake.wait()
+
+    async def _prefetch(self, node: Inode, chunks: list) -> None:
+        obj = node.obj
+        try:
+            async with obj.content_lock():
+                if not (node.parent is not None and obj.remote_info is not None
+                        and obj.chunks is None):
+                    for c in chunks:    # a reader got there first, or it was removed
+                        self.store.tiers.dram.give(c)
+                    return
+                self.stats.prefetches += 1
+                try:
+                    await self.fetch(node, chunks)
+                except FsError as e:   # counted and logged by fetch; a reader gets EIO or a miss
+                    log.info("prefetch of inode %d: %s", node.ino, e)
+                    return
+                # pinned until read (or aged out): the evictor would otherwise take these
+                # first, as the blocks being read are the most recently used ones
+                self.store.tiers.pin(obj)
+                self._unread[node.ino] = (node, trio.current_time())
+        finally:
+            self._prefetching -= 1
+            self._prefetching_bytes -= node.size
+            self._wake_prefetcher()
 
     # -- uploads ---------------------------------------------------------------------------
 
@@ -400,6 +587,7 @@ class RemoteTier:
                 _, node = self._delayed.popleft()
                 self.admit(node, "aged")
             self._expire_placeholders()
+            self.unread_bytes()   # unpins prefetched objects that aged out unread
             bounded = self.policy.max_bytes or self.policy.max_age
             if bounded and self.reachable and now - last_enforce >= self.policy.enforce_interval:
                 last_enforce = now
@@ -461,6 +649,7 @@ class RemoteTier:
             for _ in range(max(1, self.policy.upload_workers)):
                 nursery.start_soon(self.upload_worker)
             nursery.start_soon(self.maintain)
+            nursery.start_soon(self.prefetcher)
             task_status.started()
 
     # -- reporting -------------------------------------------------------------------------

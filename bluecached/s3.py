@@ -250,9 +250,11 @@ class S3Store:
         return RemoteObject(r["ContentLength"], crc, r.get("ETag", ""),
                             r["LastModified"].timestamp())
 
-    def has_prefix(self, prefix: str) -> bool:
+    def first_key(self, prefix: str) -> str | None:
+        """The first key under prefix (one-key LIST), or None if there is none."""
         r = self._call(f"list {prefix}", self.client.list_objects_v2, Prefix=prefix, MaxKeys=1)
-        return bool(r.get("KeyCount") or r.get("Contents"))
+        contents = r.get("Contents") or []
+        return contents[0]["Key"] if contents else None
 
     def list(self, prefix: str) -> Iterator[tuple[str, int, float]]:
         """(key, size, mtime) of every object under prefix."""

@@ -344,6 +344,8 @@ class Store:
                 self.tiers.stats.dram.hits += 1
             length = max(0, min(length, node.size - offset))
             self.tiers.pin(obj)
+        if self.remote is not None:
+            self.remote.note_read(node)
         try:
             if length:
                 await self.engine.from_store(views(obj.chunks, offset, length),

@@ -243,6 +243,29 @@ class Tiers:
             self._pressure.set()
         return got
 
+    def try_take_chunks(self, count: int) -> list | None:
+        """`count` unzeroed chunks now, evicting clean objects NVMe also holds (least recently
+        used first) if need be, or None (nothing taken) where that would mean waiting: for
+        speculative work (a prefetch) that must neither stall nor push out data no tier below
+        holds."""
+        got = []
+        while len(got) < count:
+            chunk = self.dram.take(False)
+            if chunk is not None:
+                got.append(chunk)
+                continue
+            victim = next((n for n in self._evictable_dram()
+                           if not n.obj.dirty and n.obj.persisted), None)
+            if victim is None:
+                for c in got:
+                    self.dram.give(c)
+                return None
+            self.stats.dram.evictions += 1
+            self.drop_dram(victim)
+        if self.dram.used_bytes > self.dram_marks.high * self.dram.capacity:
+            self._pressure.set()
+        return got
+
     async def _wait_for_writeback(self) -> None:
         if self._writeback_can_help():
             failures = self.stats.writeback_failures

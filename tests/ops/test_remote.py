@@ -12,7 +12,7 @@ import trio
 from bluecached import config
 from bluecached.daemon import StartupError, build_remote
 from bluecached.namespace import ROOT_INO, FsError
-from bluecached.s3 import CRC_META, SIZE_META
+from bluecached.s3 import CRC_META, SIZE_META, load_credentials, make_client
 from support import MiB, pattern, run
 
 
@@ -129,7 +129,7 @@ def test_lookup_misses_are_cached_for_negative_ttl(harness, ceph, bucket):
 def test_a_corrupted_remote_object_is_never_served(harness, ceph, bucket):
     a, b = harness(), harness()
     attach(a, ceph, bucket)
-    rb = attach(b, ceph, bucket)
+    rb = attach(b, ceph, bucket, prefetch=0)   # the read's own fetch finds it
     data = pattern("good", 3 * MiB)
     s3 = ceph.s3_client()
 
@@ -318,3 +318,135 @@ def test_remote_section_is_checked(tmp_path):
     with pytest.raises(config.ConfigError, match="remote.admission: expected one of"):
         config.load_config(None, {"remote.admission": "sometimes"})
     assert config.load_config(None).remote.enabled is False
+
+
+def test_lookups_prefetch_in_order_within_the_byte_bound(harness, ceph, bucket):
+    a, b = harness(), harness(dram=64 * MiB)
+    attach(a, ceph, bucket)
+    rb = attach(b, ceph, bucket, prefetch=2, prefetch_max_bytes="8MiB")
+    blocks = {f"/p/{i}.bin": pattern(f"p{i}", 3 * MiB + i) for i in range(6)}
+
+    @serving(a, b)
+    async def _():
+        for path, data in blocks.items():
+            await a.put(path, data)
+        await until(lambda: a.store.remote.stats.uploads == 6, "the uploads")
+        nodes = [await find_path(b, path) for path in blocks]   # a connector's prefix check
+        # the bound (8 MiB) holds two 3 MiB blocks: the first two in lookup order, no more
+        await until(lambda: rb.stats.prefetches == 2 and rb.unread_bytes() == 6 * MiB + 1,
+                    "two prefetches")
+        for _ in range(20):
+            await trio.sleep(0.05)
+            assert rb.stats.prefetches == 2 and rb.unread_bytes() <= 8 * MiB
+        assert [b.store.tier_of(n).startswith("dram+") for n in nodes] == [True] * 2 + [False] * 4
+        # reading frees the bound: each read lets the next block be prefetched
+        for i, (path, data) in enumerate(blocks.items()):
+            assert await b.get(path) == data
+            await until(lambda i=i: rb.stats.prefetches == min(6, i + 3), f"prefetch {i + 3}")
+        assert rb.stats.fetches == 6 and rb.stats.prefetches_read == 6
+        assert rb.stats.fetch_failures == 0 and rb.unread_bytes() == 0
+    a.check_consistency()
+    b.check_consistency()
+
+
+def test_a_prefetch_is_dropped_when_dram_cannot_be_freed_at_once(harness, ceph, bucket):
+    a, b = harness(), harness(dram=16 * MiB, nvme=0)
+    attach(a, ceph, bucket)
+    rb = attach(b, ceph, bucket, prefetch=1)
+    data = pattern("later", 6 * MiB)
+
+    @serving(a, b)
+    async def _():
+        await a.put("/later.bin", data)
+        await until(lambda: a.store.remote.stats.uploads == 1, "the upload")
+        for i in range(3):   # DRAM-only B: 12 MiB nothing else holds, which a prefetch keeps
+            await b.put(f"/local{i}.bin", pattern(f"l{i}", 4 * MiB))
+        await find_path(b, "/later.bin")
+        await until(lambda: rb.stats.prefetches_dropped == 1, "the dropped prefetch")
+        assert rb.stats.prefetches == 0
+        for i in range(3):
+            assert await b.get(f"/local{i}.bin") == pattern(f"l{i}", 4 * MiB)
+        # the read fetches it itself (a read may evict, as any fetch does)
+        assert await b.get("/later.bin") == data
+        assert rb.stats.fetches == 1 and rb.stats.prefetches == 0
+
+
+def test_corruption_found_by_a_prefetch_is_never_served(harness, ceph, bucket):
+    a, b = harness(), harness()
+    attach(a, ceph, bucket)
+    rb = attach(b, ceph, bucket, prefetch=2)
+    good = {name: pattern(name, 5 * MiB) for name in ("x", "y")}
+    s3 = ceph.s3_client()
+
+    @serving(a, b)
+    async def _():
+        for name, data in good.items():
+            await a.put(f"/{name}.bin", data)
+        await until(lambda: a.store.remote.stats.uploads == 2, "the uploads")
+        meta = s3.head_object(Bucket=bucket[0], Key="x.bin")["Metadata"]
+        bad = bytearray(good["x"])
+        bad[3 * MiB + 1] ^= 0x01      # same size, same checksum metadata
+        s3.put_object(Bucket=bucket[0], Key="x.bin", Body=bytes(bad), Metadata=meta)
+        node = await find_path(b, "/x.bin")
+        handle = await b.store.open(node.ino, os.O_RDONLY)   # opened before the prefetch ran
+        await find_path(b, "/y.bin")
+        await until(lambda: rb.stats.checksum_failures == 1 and rb.stats.prefetches == 2,
+                    "the prefetches")
+        with pytest.raises(FsError) as e:
+            await b.read(handle.fh, 0, node.size)
+        assert e.value.errno == errno.EIO
+        b.store.release(handle.fh)
+        with pytest.raises(FsError) as e:   # removed here and deleted there: a miss
+            await find_path(b, "/x.bin")
+        assert e.value.errno == errno.ENOENT
+        assert "Contents" not in s3.list_objects_v2(Bucket=bucket[0], Prefix="x.bin")
+        assert await b.get("/y.bin") == good["y"]   # the good one was verified and served
+        assert rb.stats.fetches == 1 and rb.stats.fetch_failures == 2   # prefetch and read
+    b.check_consistency()
+
+
+def test_remote_down_during_a_prefetch_leaves_a_miss_and_local_reads_go_on(harness, ceph,
+                                                                           bucket):
+    a, b = harness(), harness()
+    attach(a, ceph, bucket)
+    rb = attach(b, ceph, bucket, prefetch=1, timeout="1s", retry_interval="1h")
+    data = pattern("far", 6 * MiB)
+    local = pattern("near", 2 * MiB)
+
+    @serving(a, b)
+    async def _():
+        await a.put("/far.bin", data)
+        await until(lambda: a.store.remote.stats.uploads == 1, "the upload")
+        await b.put("/near.bin", local)
+        node = await find_path(b, "/far.bin")
+        # the endpoint goes away between the lookup and the prefetch: connections are refused
+        rb.s3.client = make_client(dead_endpoint(), "us-east-1", load_credentials(bucket[1]),
+                                   None, True, "path", 1, 4)
+        await until(lambda: rb.stats.fetch_failures == 1, "the failed prefetch")
+        assert not rb.reachable and rb.stats.fetches == 0
+        assert node.parent is None          # the placeholder is gone: no bytes behind it
+        with pytest.raises(FsError) as e:   # and the tier is down: lookups miss at once
+            await find_path(b, "/far.bin")
+        assert e.value.errno == errno.ENOENT
+        assert await b.get("/near.bin") == local
+
+
+def test_directory_levels_a_listing_showed_need_no_request(harness, ceph, bucket):
+    a, b = harness(), harness()
+    attach(a, ceph, bucket)
+    rb = attach(b, ceph, bucket, prefetch=0)
+    data = pattern("deep", 70000)
+
+    @serving(a, b)
+    async def _():
+        await a.put("/m/r0/abc/de_g0/f.bin", data)
+        await until(lambda: a.store.remote.stats.uploads == 1, "the upload")
+        # m: HEAD and LIST together; the LIST shows m/r0/abc/de_g0/f.bin, so r0, abc and
+        # de_g0 are directories without a request, and f.bin a file (its HEAD gives the size)
+        node = await find_path(b, "/m/r0/abc/de_g0/f.bin")
+        assert rb.stats.listed_hits == 3 and rb.stats.hits == 5 and node.size == len(data)
+        assert b.store.ns.resolve("/m/r0/abc").is_dir
+        assert await b.get("/m/r0/abc/de_g0/f.bin") == data
+        with pytest.raises(FsError) as e:   # a name no listing showed is still asked for
+            await find_path(b, "/m/r0/other")
+        assert e.value.errno == errno.ENOENT and rb.stats.misses == 1
