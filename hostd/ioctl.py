@@ -249,6 +249,19 @@ class IoctlServer:
         finally:
             channel.close()
 
+    async def _move_and_release(self, store: bool, fh: int, x, region: int,
+                                region_offset: int) -> tuple[int, int]:
+        """A transfer through a region imported for this one request, released whatever
+        happens (even when this task is cancelled)."""
+        try:
+            return await self._move_region(store, fh, x, region, region_offset)
+        finally:
+            with trio.CancelScope(shield=True):
+                try:
+                    await self.link.call("release_region", region=region)
+                except RemoteError as e:   # the daemon went away: the region went with it
+                    log.info("release of region %d: %s", region, e)
+
     async def _move_region(self, store: bool, fh: int, x, region: int,
                            region_offset: int) -> tuple[int, int]:
         if store:
@@ -268,14 +281,7 @@ class IoctlServer:
             return await self._move_cuda_doca(store, fh, x)
         r = await self.link.call("import_cuda_ipc", handle=x.cuda_ipc_handle,
                                  offset=x.mem_offset, length=x.length)
-        try:
-            return await self._move_region(store, fh, x, r["region"], 0)
-        finally:
-            with trio.CancelScope(shield=True):
-                try:
-                    await self.link.call("release_region", region=r["region"])
-                except RemoteError as e:   # the daemon went away: the region went with it
-                    log.info("release of region %d: %s", r["region"], e)
+        return await self._move_and_release(store, fh, x, r["region"], 0)
 
     def _cuda_context(self):
         with self._cuda_lock:   # worker threads: the first two ioctls may race here
@@ -310,14 +316,7 @@ class IoctlServer:
             try:
                 r = await self.link.call("import_region", descriptor=export.descriptor,
                                          address=export.address, length=export.length)
-                try:
-                    return await self._move_region(store, fh, x, r["region"], region_offset)
-                finally:
-                    with trio.CancelScope(shield=True):
-                        try:
-                            await self.link.call("release_region", region=r["region"])
-                        except RemoteError as e:
-                            log.info("release of region %d: %s", r["region"], e)
+                return await self._move_and_release(store, fh, x, r["region"], region_offset)
             finally:
                 exporter.unexport(export)
                 if dmabuf is not None:
@@ -348,14 +347,7 @@ class IoctlServer:
         try:
             r = await self.link.call("import_region", descriptor=export.descriptor,
                                      address=export.address, length=export.length)
-            try:
-                return await self._move_region(store, fh, x, r["region"], 0)
-            finally:
-                with trio.CancelScope(shield=True):
-                    try:
-                        await self.link.call("release_region", region=r["region"])
-                    except RemoteError as e:   # the daemon went away: the region went with it
-                        log.info("release of region %d: %s", r["region"], e)
+            return await self._move_and_release(store, fh, x, r["region"], 0)
         finally:
             exporter.unexport(export)
             if mapped is not None:
