@@ -154,23 +154,21 @@ class CudaContext:
                 self.cu.cuMemHostUnregister(address)
 
     def device_to_host(self, device_address: int, buffers) -> None:
-        self._current()
-        for buf in buffers:
-            if not len(buf):
-                continue
-            self._pin(buf)
-            host = _address(buf)
-            self._check(self.cu.cuMemcpyDtoH(host, self.cu.CUdeviceptr(device_address),
-                                             len(buf)), "cuMemcpyDtoH")
-            device_address += len(buf)
+        self._copy(device_address, buffers, to_host=True)
 
     def host_to_device(self, buffers, device_address: int) -> None:
+        self._copy(device_address, buffers, to_host=False)
+
+    def _copy(self, device_address: int, buffers, to_host: bool) -> None:
+        """Device memory from `device_address` on, to or from the store buffers in order."""
         self._current()
         for buf in buffers:
             if not len(buf):
                 continue
             self._pin(buf)
-            host = _address(buf)
-            self._check(self.cu.cuMemcpyHtoD(self.cu.CUdeviceptr(device_address), host,
-                                             len(buf)), "cuMemcpyHtoD")
+            host, device = _address(buf), self.cu.CUdeviceptr(device_address)
+            if to_host:
+                self._check(self.cu.cuMemcpyDtoH(host, device, len(buf)), "cuMemcpyDtoH")
+            else:
+                self._check(self.cu.cuMemcpyHtoD(device, host, len(buf)), "cuMemcpyHtoD")
             device_address += len(buf)
