@@ -2,6 +2,7 @@
 
 import argparse
 import json
+import signal
 import stat
 import sys
 import time
@@ -184,6 +185,9 @@ def main(argv: list[str] | None = None) -> int:
             from hostd.embedded import up
             return up(args.mount, args.state_dir, args.dram_size, args.nvme_size,
                       not args.no_allow_other, args.metrics)
+        # Like any Unix tool: `bluecachectl stats | head` ends quietly. (Not for `up`, which
+        # must outlive its reader to stop its daemons cleanly.)
+        signal.signal(signal.SIGPIPE, signal.SIG_DFL)
         client = _client(args)
         try:
             return COMMANDS[args.command](client, args)

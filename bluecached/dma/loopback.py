@@ -36,7 +36,7 @@ class LoopbackEngine(DmaEngine):
         self._cuda_lock = threading.Lock()
 
     def describe(self) -> str:
-        return "loopback: shared memfds copied by the CPU (embedded mode, no DPU)"
+        return "shared memfds copied by the CPU, CUDA memory by the GPU (embedded mode, no DPU)"
 
     def register(self, source, owner=None) -> Region:
         """source: (kind, fd, length) with kind "memfd" or "dmabuf". The fd is the caller's
