@@ -50,7 +50,7 @@ def build_store(cfg, engine) -> Store:
             raise StartupError(f"NVMe tier at {nvme_cfg.path}: {e}") from None
     dram = cfg.tiers.dram
     pool = DramPool(dram.size)
-    pool.before_unmap = getattr(engine, "forget_host_memory", None)
+    pool.before_unmap = engine.forget_host_memory
     tiers = Tiers(pool, Watermarks(dram.high_watermark, dram.low_watermark),
                   nvme, Watermarks(nvme_cfg.high_watermark, nvme_cfg.low_watermark),
                   journal, cfg.write_policy == "write-through", cfg.journal_max_bytes,

@@ -8,6 +8,7 @@ from bluecached.config import (
     Field,
     Schema,
     as_choice,
+    as_count,
     as_doca_library,
     as_duration,
     as_endpoint,
@@ -19,14 +20,6 @@ from bluecached.config import (
 )
 
 DEFAULT_PATH = Path("/etc/bluecache/hostd.yaml")
-
-
-def _as_count(minimum: int, maximum: int):
-    def parse(value: Any) -> int:
-        if type(value) is not int or not minimum <= value <= maximum:
-            raise ValueError(f"expected a whole number from {minimum} to {maximum}, got {value!r}")
-        return value
-    return parse
 
 
 def _as_name(value: Any) -> str:
@@ -75,7 +68,7 @@ HOSTD = Schema("HostdConfig", (
         "allow_other": Field(_as_bool, True,
                              "Let other users (vLLM often runs as its own user) use the mount; "
                              "permissions are still checked (default_permissions)."),
-        "staging_slots": Field(_as_count(64, 4096), 128,
+        "staging_slots": Field(as_count(minimum=64, maximum=4096), 128,
                                "1 MiB staging buffers shared with the DMA engine: how many POSIX "
                                "requests can be in flight at once (at least 64)."),
         "entry_timeout": Field(as_duration(), "60s",

@@ -15,7 +15,6 @@ import mmap
 import os
 import stat
 import sys
-import threading
 
 import trio
 
@@ -117,8 +116,6 @@ class IoctlServer:
         self.requests = 0
         self.zero_copy_bytes = 0
         self._nursery: trio.Nursery | None = None
-        self._cuda = None              # CUDA context for the doca engine's GPU exports
-        self._cuda_lock = threading.Lock()
         ffi = shim.ffi
 
         @ffi.def_extern()
@@ -283,13 +280,6 @@ class IoctlServer:
                                  offset=x.mem_offset, length=x.length)
         return await self._move_and_release(store, fh, x, r["region"], 0)
 
-    def _cuda_context(self):
-        with self._cuda_lock:   # worker threads: the first two ioctls may race here
-            if self._cuda is None:
-                from bluecached.dma.cuda import CudaContext
-                self._cuda = CudaContext(0)
-            return self._cuda
-
     async def _move_cuda_doca(self, store: bool, fh: int, x) -> tuple[int, int]:
         """GPU memory to the DPU: hostd opens the caller's IPC handle and exports the device
         memory to DOCA as a dma-buf (cuMemGetHandleForAddressRange); where the driver gives
@@ -297,7 +287,8 @@ class IoctlServer:
         nvidia-peermem loaded. Neither is proven on hardware (docs/hardware.md); where both
         fail the caller gets EOPNOTSUPP and copies into a SharedBuffer first."""
         try:
-            cuda = await trio.to_thread.run_sync(self._cuda_context)
+            from bluecached.dma.cuda import context
+            cuda = await trio.to_thread.run_sync(context)
             base, size = await trio.to_thread.run_sync(cuda.open_ipc, x.cuda_ipc_handle)
         except DmaError as e:
             raise IoctlError(e.errno, e.strerror) from None

@@ -1,9 +1,11 @@
 """Shared by the Debian packaging tests: the mirror apt uses, tools from the system's PATH
 (never a venv's), and a debootstrapped root booted with systemd-nspawn."""
 
+import contextlib
 import os
 import shutil
 import subprocess
+import tempfile
 import time
 from pathlib import Path
 
@@ -95,3 +97,16 @@ class Container:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait(timeout=30)
+
+
+@contextlib.contextmanager
+def fresh_container(prefix: str, make_root):
+    """A Container in a new temp dir; `make_root(root)` fills it. Stopped and removed after."""
+    work = Path(tempfile.mkdtemp(prefix=prefix))
+    c = Container(work / "root")
+    try:
+        make_root(c.root)
+        yield c
+    finally:
+        c.close()
+        shutil.rmtree(work, ignore_errors=True)

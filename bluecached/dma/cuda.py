@@ -44,6 +44,19 @@ def _driver():
     return driver
 
 
+_contexts: dict[int, "CudaContext"] = {}
+_contexts_lock = threading.Lock()
+
+
+def context(ordinal: int = 0) -> "CudaContext":
+    """The process's context on device `ordinal`, made on first use (blocks: a worker thread;
+    raises CudaUnavailable where CUDA cannot be used)."""
+    with _contexts_lock:
+        if ordinal not in _contexts:
+            _contexts[ordinal] = CudaContext(ordinal)
+        return _contexts[ordinal]
+
+
 def _address(buffer) -> int:
     return ctypes.addressof(ctypes.c_char.from_buffer(buffer))
 

@@ -54,6 +54,11 @@ class DmaEngine(ABC):
         """The engine's service task, if it needs one (started before any transfer)."""
         task_status.started()
 
+    def forget_host_memory(self, buffer) -> None:
+        """The store is about to unmap `buffer` (a DRAM chunk): drop any registration the
+        engine made on it. Most engines register none."""
+        return
+
     @abstractmethod
     def register(self, source, owner=None) -> Region:
         """Makes client memory reachable. `source` is engine-specific."""

@@ -15,7 +15,6 @@ import logging
 import mmap
 import os
 import socket
-import threading
 
 import msgpack
 import trio
@@ -32,8 +31,7 @@ class LoopbackEngine(DmaEngine):
 
     def __init__(self, cuda_device: int = 0):
         self.cuda_device = cuda_device
-        self._cuda = None          # a CudaContext, made on the first CUDA region
-        self._cuda_lock = threading.Lock()
+        self._cuda = None          # the CudaContext, once a CUDA region was registered
 
     def describe(self) -> str:
         return "shared memfds copied by the CPU, CUDA memory by the GPU (embedded mode, no DPU)"
@@ -73,17 +71,11 @@ class LoopbackEngine(DmaEngine):
             raise DmaError(errno.EOPNOTSUPP, f"cannot map this {kind}: {e.strerror}") from None
         return Region(length, kind, (mapping, memoryview(mapping)), owner)
 
-    def _cuda_context(self):
-        with self._cuda_lock:
-            if self._cuda is None:
-                from .cuda import CudaContext
-                self._cuda = CudaContext(self.cuda_device)
-            return self._cuda
-
     def _register_cuda(self, handle: bytes, offset: int, length: int, owner=None) -> Region:
         if not 0 < length <= MAX_REGION or offset < 0:
             raise DmaError(errno.EINVAL, f"CUDA span {offset}+{length} is out of range")
-        cuda = self._cuda_context()
+        from .cuda import context  # only a CUDA region needs cuda-python
+        cuda = self._cuda = context(self.cuda_device)
         base, size = cuda.open_ipc(handle)
         if offset + length > size:
             cuda.close_ipc(base)

@@ -8,12 +8,10 @@ docs/packaging.md; a missing tool fails the test. Takes about 2-3 minutes.
 """
 
 import shutil
-import tempfile
 import time
-from pathlib import Path
 
 import pytest
-from debian_tools import MIRROR, ROOT, Container, run, tool
+from debian_tools import MIRROR, ROOT, fresh_container, run, tool
 
 BLOCK = 32 << 20
 
@@ -56,17 +54,10 @@ def test_host_package_contents(debs):
 
 @pytest.fixture
 def container(debs):
-    tool("debootstrap")
-    work = Path(tempfile.mkdtemp(prefix="bluecache-nspawn."))
-    root = work / "root"
-    c = Container(root)
-    try:
-        run([tool("debootstrap"), "--variant=minbase", "--include=systemd,dbus", "bookworm",
-             str(root), MIRROR], timeout=900)
+    with fresh_container("bluecache-nspawn.", lambda root: run(
+            [tool("debootstrap"), "--variant=minbase", "--include=systemd,dbus", "bookworm",
+             str(root), MIRROR], timeout=900)) as c:
         yield c
-    finally:
-        c.close()
-        shutil.rmtree(work, ignore_errors=True)
 
 
 def test_install_start_io_stop_purge(debs, container):

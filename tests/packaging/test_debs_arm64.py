@@ -16,11 +16,9 @@ Needs root, a Debian mirror, qemu-user-static, binfmt-support and debootstrap
 """
 
 import shutil
-import tempfile
-from pathlib import Path
 
 import pytest
-from debian_tools import ROOT, Container, run, tool
+from debian_tools import ROOT, fresh_container, run, tool
 
 pytestmark = pytest.mark.slow
 
@@ -56,15 +54,10 @@ def test_dpu_package_lintian_and_contents(dpu_deb):
 
 @pytest.fixture
 def arm64_container():
-    work = Path(tempfile.mkdtemp(prefix="bluecache-arm64."))
-    root = work / "root"
-    c = Container(root)
-    try:
-        run(["bash", str(ROOT / "scripts/arm64-root.sh"), "--minimal", str(root)], timeout=1800)
+    with fresh_container("bluecache-arm64.", lambda root: run(
+            ["bash", str(ROOT / "scripts/arm64-root.sh"), "--minimal", str(root)],
+            timeout=1800)) as c:
         yield c
-    finally:
-        c.close()
-        shutil.rmtree(work, ignore_errors=True)
 
 
 def test_dpu_package_installs_and_bluecached_runs_under_systemd(dpu_deb, arm64_container):
