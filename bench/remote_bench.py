@@ -101,10 +101,13 @@ def data_for(i: int) -> bytes:
     return bytes(body)
 
 
-def read_into_region(fc: FileClient, parent: int, name: str) -> None:
+def read_into_region(fc: FileClient, parent: int, name: str) -> float:
     """lookup + open + one read into the client's region + release: the bytes land in memory
-    the client owns, as a raw GET's do (the check happens outside the timed part)."""
+    the client owns, as a raw GET's do (the check happens outside the timed part). Returns
+    the seconds the lookup took."""
+    t0 = time.perf_counter()
     ino = fc.client.call("lookup", parent=parent, name=name.encode())["ino"]
+    looked_up = time.perf_counter() - t0
     fh = fc.client.call("open", ino=ino, flags=os.O_RDONLY)["fh"]
     try:
         n = fc.client.call("read", fh=fh, offset=0, length=OBJECT, region=fc.region,
@@ -112,11 +115,13 @@ def read_into_region(fc: FileClient, parent: int, name: str) -> None:
         assert n == OBJECT
     finally:
         fc.client.call("release", fh=fh)
+    return looked_up
 
 
 def per_object(s3, bucket: str, a: DaemonProcess, b: DaemonProcess, count: int) -> dict:
     fa, fb = FileClient(a, region_size=OBJECT), FileClient(b, region_size=OBJECT)
-    times = {k: [] for k in ("raw_put", "store_upload", "store_only", "raw_get", "remote_fetch")}
+    times = {k: [] for k in ("raw_put", "store_upload", "store_only", "raw_get", "remote_fetch",
+                             "daemon_upload", "daemon_fetch", "remote_lookup")}
     try:
         fa.put("/objects/warmup", data_for(999_999))      # directory made, daemon warm
         wait_uploads(a, 1)
@@ -128,20 +133,24 @@ def per_object(s3, bucket: str, a: DaemonProcess, b: DaemonProcess, count: int) 
             s3.put_object(Bucket=bucket, Key=f"raw/{i}", Body=data)
             times["raw_put"].append(time.perf_counter() - t0)
 
+            up0 = remote_stats(a)["upload_seconds"]
             t0 = time.perf_counter()
             fa.put(f"/objects/{i}", data, step=OBJECT)
             times["store_only"].append(time.perf_counter() - t0)
             wait_uploads(a, i + 2)
             times["store_upload"].append(time.perf_counter() - t0)
+            times["daemon_upload"].append(remote_stats(a)["upload_seconds"] - up0)
 
             t0 = time.perf_counter()
             got = s3.get_object(Bucket=bucket, Key=f"raw/{i}")["Body"].read()
             times["raw_get"].append(time.perf_counter() - t0)
             assert got == data
 
+            fetch0 = remote_stats(b)["fetch_seconds"]
             t0 = time.perf_counter()
-            read_into_region(fb, objects_ino, f"{i}")
+            times["remote_lookup"].append(read_into_region(fb, objects_ino, f"{i}"))
             times["remote_fetch"].append(time.perf_counter() - t0)
+            times["daemon_fetch"].append(remote_stats(b)["fetch_seconds"] - fetch0)
             assert fb.shm.view[:OBJECT] == data, f"object {i} came back different"
             s3.delete_object(Bucket=bucket, Key=f"raw/{i}")
     finally:

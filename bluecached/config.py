@@ -575,6 +575,10 @@ BLUECACHED = Schema("Config", (
     "tiers": Schema("TiersConfig", "Storage tiers, fastest first.", {
         "dram": Schema("DramConfig", "DRAM tier: the first stop for every write.", {
             "size": Field(as_size(minimum=1), "4GiB", "Memory reserved for cached chunks."),
+            "prefault": Field(as_flag(), False,
+                              "Map and touch the whole tier at start (in the background), so "
+                              "no request pays page faults for fresh memory; the memory is "
+                              "committed at once. Worth it on a DPU that runs only the cache."),
             **_watermarks(0.90, 0.75),
         }, check=_watermarks_ordered),
         "nvme": Schema("NvmeConfig", "NVMe tier: segment files on a local filesystem.", {

@@ -42,6 +42,18 @@ class DramPool:
             return chunk
         return mmap.mmap(-1, CHUNK_SIZE)  # anonymous maps are born zeroed
 
+    def missing_chunks(self) -> int:
+        """Chunks of the capacity not mapped yet (neither in use nor kept free)."""
+        return self.capacity // CHUNK_SIZE - self._in_use - len(self._free)
+
+    def add_free(self, chunks: list[mmap.mmap]) -> None:
+        """Chunks mapped ahead of need (prefault): kept up to the capacity."""
+        for chunk in chunks:
+            if self.missing_chunks() > 0:
+                self._free.append(chunk)
+            else:
+                self._unmap(chunk)
+
     def give(self, chunk: mmap.mmap) -> None:
         self._in_use -= 1
         if len(self._free) < self.capacity // CHUNK_SIZE - self._in_use:
@@ -61,3 +73,17 @@ class DramPool:
 
 
 _ZEROS = bytes(CHUNK_SIZE)
+_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
+
+
+def populated_chunks(count: int) -> list[mmap.mmap]:
+    """Chunks whose pages the kernel has already supplied (blocking: a worker thread's job):
+    a first write to a fresh chunk otherwise takes 256 page faults on the request's path."""
+    chunks = []
+    for _ in range(count):
+        chunk = mmap.mmap(-1, CHUNK_SIZE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _POPULATE)
+        if not _POPULATE:
+            for page in range(0, CHUNK_SIZE, mmap.PAGESIZE):
+                chunk[page] = 0
+        chunks.append(chunk)
+    return chunks

@@ -28,6 +28,7 @@ class StoredObject:
         "remote_version",  # the content version the remote tier holds (-1: none known)
         "remote_info",     # a placeholder's S3 object (content only remote), else None
         "uploading",       # trio.Event while an upload reads the chunks; writes wait for it
+        "arrival",         # a remote fetch in flight (bluecached.arrival): readers wait on it
     )
 
     def __init__(self):
@@ -46,6 +47,7 @@ class StoredObject:
         self.remote_version = -1
         self.remote_info = None
         self.uploading: trio.Event | None = None
+        self.arrival = None
 
     def content_lock(self) -> trio.Lock:
         if self.lock is None:

@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 import trio
 
 from . import index
+from .arrival import Arrival
 from .dram import CHUNK_SIZE
 from .namespace import ROOT_INO, FsError, Inode
 from .objects import chunk_count, views
@@ -63,10 +64,12 @@ class RemoteCounters:
     uploads: int = 0
     upload_bytes: int = 0
     upload_failures: int = 0
+    upload_seconds: float = 0.0  # wall time in S3 upload calls (PUT or multipart)
     uploads_dropped: int = 0     # admitted past the queue bound
     fetches: int = 0
     fetch_bytes: int = 0
     fetch_failures: int = 0
+    fetch_seconds: float = 0.0   # wall time in S3 downloads (GETs and the CRC32C check)
     prefetches: int = 0          # fetches started by a lookup (also counted in fetches)
     prefetches_dropped: int = 0  # not done: no DRAM room without waiting, queue full, down
     prefetches_read: int = 0     # prefetched objects a client then read
@@ -292,28 +295,91 @@ class RemoteTier:
 
     # -- fetching a placeholder's bytes ----------------------------------------------------
 
-    async def fetch(self, node: Inode, chunks: list | None = None) -> None:
-        """Pulls a placeholder's bytes into DRAM (they are then written behind to NVMe like
-        any new object), into `chunks` if given (a prefetch's). Caller holds the content lock.
-        On any failure the placeholder is removed (the next lookup asks again) and the reader
-        gets EIO, never unchecked bytes: they are attached only once their CRC32C matched."""
+    def start_fetch(self, node: Inode) -> Arrival:
+        """A reader wants a placeholder's bytes: the fetch in flight (a prefetch's or another
+        reader's), or a new one. Readers wait on the returned arrival, chunk by chunk."""
+        obj = node.obj
+        if obj.arrival is None:
+            obj.arrival = Arrival(chunk_count(node.size))
+            self._nursery.start_soon(self._fetch_task, node, obj.arrival, None, False)
+        return obj.arrival
+
+    async def _fetch_task(self, node: Inode, arrival: Arrival, chunks: list | None,
+                          prefetch: bool) -> None:
+        obj = node.obj
+        try:
+            async with obj.content_lock():
+                if (obj.remote_info is None or obj.chunks is not None
+                        or (prefetch and node.parent is None)):
+                    if chunks:   # a reader's load got there first, or it was removed
+                        self.store.tiers.give_chunks(obj, chunks)
+                    return
+                if prefetch:
+                    self.stats.prefetches += 1
+                try:
+                    await self._fetch(node, arrival, chunks)
+                except FsError as e:   # counted and logged; the readers got EIO from arrival
+                    log.info("%s of inode %d: %s", "prefetch" if prefetch else "fetch",
+                             node.ino, e)
+                    return
+                if prefetch:
+                    if arrival.was_read:
+                        self.stats.prefetches_read += 1
+                    else:
+                        # pinned until read (or aged out): the evictor would otherwise take
+                        # these first, as the blocks being read are the most recently used
+                        self.store.tiers.pin(obj)
+                        self._unread[node.ino] = (node, trio.current_time())
+        finally:
+            if obj.arrival is arrival:
+                obj.arrival = None
+            if not (arrival.complete or arrival.failed):
+                arrival.abandon()   # nothing was fetched: readers go the usual way
+            if prefetch:
+                self._prefetching -= 1
+                self._prefetching_bytes -= node.size
+                self._wake_prefetcher()
+
+    async def fetch(self, node: Inode) -> None:
+        """Pulls a placeholder's bytes into DRAM for an operation that holds the content lock
+        and needs them all (a write, a truncation, a checksum)."""
+        await self._fetch(node, Arrival(chunk_count(node.size)), None)
+
+    async def _fetch(self, node: Inode, arrival: Arrival, chunks: list | None) -> None:
+        """Pulls a placeholder's bytes into DRAM (then written behind to NVMe like any new
+        object), into `chunks` if given (a prefetch's), marking each chunk in `arrival` once
+        its CRC32C matched. Caller holds the content lock. On any failure the placeholder is
+        removed (the next lookup asks again) and readers get EIO, never unchecked bytes."""
         store, tiers, obj = self.store, self.store.tiers, node.obj
         info = obj.remote_info
         key = self._placeholders.pop(node.ino, (None, None, self.key_of(node)))[2]
         size = node.size
-        if not self.reachable:
-            for c in chunks or ():
-                tiers.dram.give(c)
+
+        def failed(why: str) -> FsError:
+            arrival.fail(why)
+            if chunks is not None:   # later if a reader still copies from them
+                tiers.give_chunks(obj, chunks)
             self.stats.fetch_failures += 1
+            return FsError(errno.EIO, f"remote tier: {why}")
+
+        if not self.reachable:
             store.remove_object(node, "remote tier unreachable")
-            raise FsError(errno.EIO, f"remote tier unreachable: {self.last_error}")
+            raise failed(f"unreachable: {self.last_error}")
         if chunks is None:
             chunks = await tiers.take_chunks(chunk_count(size), zero=False)
+        arrival.started(chunks)
+        token = trio.lowlevel.current_trio_token()
+
+        def checked(index: int) -> None:   # a worker thread: hand it to the event loop
+            token.run_sync_soon(arrival.mark, index)
+
         problem = None
+        started = time.perf_counter()
         try:
             if key is None:
                 raise Changed("the file lost its name")
-            await self._thread(self.s3.get_into, key, info, views(chunks, 0, size))
+            await self._thread(self.s3.get_into, key, info, views(chunks, 0, size),
+                               CHUNK_SIZE, checked)
         except ChecksumMismatch as e:
             self.stats.checksum_failures += 1
             log.error("remote object %s failed its checksum, deleting it: %s", key, e)
@@ -325,25 +391,26 @@ class RemoteTier:
             self._error(e)
             problem = str(e)
         except BaseException:
-            for c in chunks:
-                tiers.dram.give(c)
+            failed("the fetch was interrupted")
             raise
+        finally:
+            self.stats.fetch_seconds += time.perf_counter() - started
         if problem is not None:
-            for c in chunks:
-                tiers.dram.give(c)
-            self.stats.fetch_failures += 1
             store.remove_object(node, "remote fetch failed")
-            raise FsError(errno.EIO, f"remote tier: {problem}")
+            raise failed(problem)
         self._recovered()
         if store.ns.inodes.get(node.ino) is not node:   # unlinked and forgotten meanwhile
-            for c in chunks:
-                tiers.dram.give(c)
+            arrival.fail("the file was removed while it was fetched")
+            tiers.give_chunks(obj, chunks)
             raise FsError(errno.ENOENT, "the file was removed while it was fetched")
         tail = size % CHUNK_SIZE
         if tail:
             chunks[-1][tail:] = bytes(CHUNK_SIZE - tail)   # past EOF reads as zeros
         obj.chunks = chunks
         obj.remote_info = None
+        if obj.arrival is arrival:
+            obj.arrival = None
+        arrival.finish()
         if key == self.key_of(node):   # else it was renamed: upload it under its new name
             obj.remote_version = obj.version
         obj.dirty = True
@@ -408,7 +475,8 @@ class RemoteTier:
     def _still_placeholder(node: Inode) -> bool:
         obj = node.obj
         return (node.parent is not None and obj is not None and obj.remote_info is not None
-                and obj.chunks is None and not (obj.lock is not None and obj.lock.locked()))
+                and obj.chunks is None and obj.arrival is None
+                and not (obj.lock is not None and obj.lock.locked()))
 
     async def prefetcher(self) -> None:
         """Starts queued prefetches in lookup order while slots and the byte bound allow."""
@@ -437,33 +505,10 @@ class RemoteTier:
                     continue
                 self._prefetching += 1
                 self._prefetching_bytes += node.size
-                self._nursery.start_soon(self._prefetch, node, chunks)
+                node.obj.arrival = Arrival(chunk_count(node.size))
+                self._nursery.start_soon(self._fetch_task, node, node.obj.arrival, chunks, True)
             with trio.move_on_after(MAINTAIN_INTERVAL_S):   # unread bytes also age out
                 await wake.wait()
-
-    async def _prefetch(self, node: Inode, chunks: list) -> None:
-        obj = node.obj
-        try:
-            async with obj.content_lock():
-                if not (node.parent is not None and obj.remote_info is not None
-                        and obj.chunks is None):
-                    for c in chunks:    # a reader got there first, or it was removed
-                        self.store.tiers.dram.give(c)
-                    return
-                self.stats.prefetches += 1
-                try:
-                    await self.fetch(node, chunks)
-                except FsError as e:   # counted and logged by fetch; a reader gets EIO or a miss
-                    log.info("prefetch of inode %d: %s", node.ino, e)
-                    return
-                # pinned until read (or aged out): the evictor would otherwise take these
-                # first, as the blocks being read are the most recently used ones
-                self.store.tiers.pin(obj)
-                self._unread[node.ino] = (node, trio.current_time())
-        finally:
-            self._prefetching -= 1
-            self._prefetching_bytes -= node.size
-            self._wake_prefetcher()
 
     # -- uploads ---------------------------------------------------------------------------
 
@@ -527,10 +572,13 @@ class RemoteTier:
                     log.error("upload of %s: cannot read it locally: %s", key, e)
                     return
             body = views(obj.chunks, 0, node.size)
+            known = obj.crcs if obj.persisted and not obj.dirty else None   # NVMe's, current
             tiers.pin(obj)
             obj.uploading = trio.Event()
+        started = time.perf_counter()
         try:
-            await self._thread(self.s3.put, key, body, limiter=self._upload_limiter)
+            await self._thread(self.s3.put, key, body, CHUNK_SIZE, known,
+                               limiter=self._upload_limiter)
         except S3Error as e:
             self._error(e)
             if e.unreachable and obj.version == version and node.parent is not None:
@@ -540,6 +588,7 @@ class RemoteTier:
                 self.stats.upload_failures += 1
             return
         finally:
+            self.stats.upload_seconds += time.perf_counter() - started
             tiers.unpin(obj)
             done, obj.uploading = obj.uploading, None
             done.set()

@@ -6,23 +6,33 @@ logic is ours rather than s3transfer's: uploads read straight from the DRAM chun
 copy of the object), and a download must be pinned to the version a lookup saw (IfMatch on
 every ranged GET), which s3transfer's downloader does not accept.
 
-Every object carries its CRC32C and size as user metadata; `get_into` checks both.
+Every object carries as user metadata its size, its CRC32C and the CRC32C of each 1 MiB chunk
+(when they fit the 2 KB metadata limit: objects up to ~256 MiB). `get_into` checks each chunk
+as it arrives and reports it, so a reader can be served the checked chunks of an object that
+is still arriving; an object without chunk CRCs is checked whole before any chunk is reported.
 """
 
 from __future__ import annotations
 
+import base64
+import binascii
 import configparser
 import io
 import stat
+import struct
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
 
 import crc32c
 
+from . import crc as crcs
+
 CRC_META = "bluecache-crc32c"
 SIZE_META = "bluecache-size"
+CHUNKS_META = "bluecache-crc32c-chunks"   # "<chunk size>:<base64 of packed LE u32 CRCs>"
+CHUNKS_META_MAX = 1400     # S3 allows 2 KB of user metadata in all (AWS; RGW is laxer)
 
 
 class S3Error(Exception):
@@ -48,6 +58,33 @@ class RemoteObject:
     crc: int | None      # None: not written by bluecache (no checksum): never served
     etag: str
     mtime: float         # seconds since the epoch
+    chunk_crcs: bytes | None = None   # CRC32C per `chunk_size` chunk, consistent with crc
+    chunk_size: int = 0
+
+
+def encode_chunk_crcs(chunk_crcs: bytes, chunk_size: int) -> str | None:
+    """The metadata value for the chunk CRCs, or None if it would not fit."""
+    value = f"{chunk_size}:{base64.b64encode(chunk_crcs).decode()}"
+    return value if len(value) <= CHUNKS_META_MAX else None
+
+
+def decode_chunk_crcs(value: str | None, size: int, crc: int | None) -> tuple[bytes, int] | None:
+    """(chunk CRCs, chunk size) from metadata, or None unless they are well formed and agree
+    with the whole object's CRC (anything else falls back to checking the object whole)."""
+    if value is None or crc is None:
+        return None
+    try:
+        chunk_size, encoded = value.split(":", 1)
+        chunk_size = int(chunk_size)
+        chunk_crcs = base64.b64decode(encoded, validate=True)
+    except (ValueError, binascii.Error):
+        return None
+    count = -(-size // chunk_size) if chunk_size > 0 else -1
+    if count < 0 or len(chunk_crcs) != 4 * count:
+        return None
+    if crcs.object_crc(chunk_crcs, size, chunk_size) != crc:
+        return None
+    return chunk_crcs, chunk_size
 
 
 @dataclass(frozen=True)
@@ -201,13 +238,6 @@ def _slice(views: list[memoryview], offset: int, length: int) -> list[memoryview
     return out
 
 
-def crc_of(views: list[memoryview]) -> int:
-    crc = 0
-    for v in views:
-        crc = crc32c.crc32c(v, crc)
-    return crc
-
-
 class S3Store:
     """Blocking S3 calls on one bucket and key prefix. Thread-safe (botocore clients are)."""
 
@@ -247,8 +277,10 @@ class S3Store:
             crc = int(crc, 16) if crc is not None else None
         except ValueError:
             crc = None
-        return RemoteObject(r["ContentLength"], crc, r.get("ETag", ""),
-                            r["LastModified"].timestamp())
+        size = r["ContentLength"]
+        chunks = decode_chunk_crcs(meta.get(CHUNKS_META), size, crc) or (None, 0)
+        return RemoteObject(size, crc, r.get("ETag", ""), r["LastModified"].timestamp(),
+                            *chunks)
 
     def first_key(self, prefix: str) -> str | None:
         """The first key under prefix (one-key LIST), or None if there is none."""
@@ -276,12 +308,19 @@ class S3Store:
         except Changed:
             pass
 
-    def put(self, key: str, views: list[memoryview]) -> int:
-        """Uploads the bytes with their CRC32C as metadata; multipart with parallel parts above
-        the threshold. Returns the CRC32C."""
+    def put(self, key: str, views: list[memoryview], chunk_size: int,
+            chunk_crcs: bytes | None = None) -> int:
+        """Uploads the bytes with their CRC32Cs as metadata (per `chunk_size` chunk, computed
+        here unless given, and whole); multipart with parallel parts above the threshold.
+        Returns the whole object's CRC32C."""
         size = sum(len(v) for v in views)
-        crc = crc_of(views)
+        if chunk_crcs is None:
+            chunk_crcs = crcs.chunk_crcs(views, chunk_size)
+        crc = crcs.object_crc(chunk_crcs, size, chunk_size)
         meta = {CRC_META: f"{crc:08x}", SIZE_META: str(size)}
+        encoded = encode_chunk_crcs(chunk_crcs, chunk_size)
+        if encoded is not None:
+            meta[CHUNKS_META] = encoded
         if size <= self.multipart_threshold:
             self._call(f"put {key}", self.client.put_object, Key=key, Body=ChunkReader(views),
                        ContentLength=size, Metadata=meta)
@@ -309,46 +348,74 @@ class S3Store:
             raise
         return crc
 
-    def get_into(self, key: str, obj: RemoteObject, views: list[memoryview]) -> None:
-        """Downloads the object a lookup saw (IfMatch its ETag) into `views` (exactly its
-        size), with parallel ranged GETs above the threshold, and checks its CRC32C."""
+    def get_into(self, key: str, obj: RemoteObject, views: list[memoryview], chunk_size: int,
+                 on_chunk=None) -> bytes:
+        """Downloads the object a lookup saw (IfMatch its ETag) into `views` (one per
+        `chunk_size` chunk, the last one possibly shorter), with parallel ranged GETs above the
+        threshold. Each chunk is checked against its CRC32C as it arrives, then reported with
+        `on_chunk(index)` (from a worker thread); without chunk CRCs the whole object is
+        checked at the end and nothing is reported. Returns the chunks' CRC32Cs (packed)."""
         if obj.crc is None:
             raise ChecksumMismatch(f"{key} carries no {CRC_META} metadata")
         size = obj.size
-        if sum(len(v) for v in views) != size:
-            raise ValueError("destination does not match the object's size")
+        if sum(len(v) for v in views) != size or any(
+                len(v) != min(chunk_size, size - i * chunk_size) for i, v in enumerate(views)):
+            raise ValueError("destination is not the object's chunks")
+        expected = None
+        if obj.chunk_crcs is not None and obj.chunk_size == chunk_size:
+            expected = crcs.unpack(obj.chunk_crcs)
+        got = [0] * len(views)
+        stop = False   # one range failed: the others stop at their next chunk
 
-        def fetch(offset: int, length: int) -> None:
+        def fetch(first: int, last: int) -> None:   # chunks first..last-1
+            offset, end = first * chunk_size, min(size, last * chunk_size)
             kw = {"Key": key, "IfMatch": obj.etag} if obj.etag else {"Key": key}
-            if length != size:
-                kw["Range"] = f"bytes={offset}-{offset + length - 1}"
+            if end - offset != size:
+                kw["Range"] = f"bytes={offset}-{end - 1}"
             body = self._call(f"get {key}", self.client.get_object, **kw)["Body"]
             try:
-                got = 0
-                for dest in _slice(views, offset, length):
-                    filled = 0
+                for i in range(first, last):
+                    if stop:
+                        return
+                    dest, filled = views[i], 0
                     while filled < len(dest):
                         n = body.readinto(dest[filled:]) if hasattr(body, "readinto") else \
                             _read_into(body, dest[filled:])
                         if not n:
-                            raise Changed(f"get {key}: short body ({got + filled} of {length})")
+                            raise Changed(f"get {key}: short body at chunk {i}")
                         filled += n
-                    got += filled
+                    got[i] = crc32c.crc32c(dest)
+                    if expected is not None:
+                        if got[i] != expected[i]:
+                            raise ChecksumMismatch(f"{key}: CRC32C of chunk {i} is {got[i]:08x}, "
+                                                   f"not {expected[i]:08x}")
+                        if on_chunk is not None:
+                            on_chunk(i)
             except OSError as e:
                 raise S3Error(f"get {key}: {e}", unreachable=True) from None
             finally:
                 body.close()
 
+        count = len(views)
         if size <= self.multipart_threshold or size <= self.part_size:
             if size:
-                fetch(0, size)
+                fetch(0, count)
         else:
-            futures = [self._pool.submit(fetch, off, min(self.part_size, size - off))
-                       for off in range(0, size, self.part_size)]
-            for f in futures:
-                f.result()
-        if crc_of(views) != obj.crc:
+            step = max(1, self.part_size // chunk_size)   # ranges of whole chunks
+            futures = [self._pool.submit(fetch, i, min(count, i + step))
+                       for i in range(0, count, step)]
+            try:
+                for f in futures:
+                    f.result()
+            except BaseException:
+                # the destination is the caller's again only once no range writes into it
+                stop = True
+                wait(futures)
+                raise
+        packed = struct.pack(f"<{count}I", *got)
+        if expected is None and crcs.object_crc(packed, size, chunk_size) != obj.crc:
             raise ChecksumMismatch(f"{key}: CRC32C of the fetched bytes is not {obj.crc:08x}")
+        return packed
 
 
 def _read_into(body, dest: memoryview) -> int:

@@ -337,6 +337,24 @@ class Store:
         obj = node.obj
         if offset < 0 or length < 0:
             raise FsError(errno.EINVAL, "negative offset or length")
+        arrival = obj.arrival   # a prefetch in flight
+        if arrival is None and obj.chunks is None and obj.remote_info is not None:
+            arrival = self.remote.start_fetch(node)
+        served = None
+        if arrival is not None:
+            served = await self._read_arriving(node, arrival, offset, length, region,
+                                               region_offset)
+        if served is None:
+            served = await self._read_resident(node, offset, length, region, region_offset)
+        node.atime_ns = self.clock()
+        self.tiers.touch(node)
+        if self.remote is not None and not obj.writers and node.parent is not None:
+            self.remote.admit(node, "read")
+        return served
+
+    async def _read_resident(self, node: Inode, offset: int, length: int, region,
+                             region_offset: int) -> int:
+        obj = node.obj
         async with obj.content_lock():  # waits out a promotion or a write in progress
             if obj.chunks is None:
                 await self._load(node)
@@ -352,10 +370,38 @@ class Store:
                                              region, region_offset)
         finally:
             self.tiers.unpin(obj)
-        node.atime_ns = self.clock()
-        self.tiers.touch(node)
-        if self.remote is not None and not obj.writers and node.parent is not None:
-            self.remote.admit(node, "read")
+        return length
+
+    async def _read_arriving(self, node: Inode, arrival, offset: int, length: int, region,
+                             region_offset: int) -> int | None:
+        """A read of an object the remote tier is fetching: each run of chunks is copied
+        once its checksums matched, without waiting for the rest. None: the fetch did not
+        happen after all (read it the usual way)."""
+        obj = node.obj
+        length = max(0, min(length, node.size - offset))
+        end = offset + length
+        self.tiers.pin(obj)   # a failed fetch's chunks stay out of the pool while we copy
+        try:
+            done = 0
+            while done < length:
+                pos = offset + done
+                first = pos // CHUNK_SIZE
+                if not await arrival.wait_for(first):
+                    if done:   # an abandoned fetch never marked a chunk; cannot happen
+                        raise FsError(errno.EIO, "remote fetch abandoned mid-read")
+                    return None
+                arrival.was_read = True
+                last = arrival.ready_until(first, -(-end // CHUNK_SIZE))
+                n = min(end, last * CHUNK_SIZE) - pos
+                await self.engine.from_store(views(arrival.chunks, pos, n), region,
+                                             region_offset + done)
+                done += n
+            if length and end == node.size:
+                # a read to the end returns with the object whole (and counted) in DRAM: the
+                # last chunk's check is the end of the fetch, so this costs next to nothing
+                await arrival.wait_complete()
+        finally:
+            self.tiers.unpin(obj)
         return length
 
     async def write(self, fh: int, offset: int, length: int, region, region_offset: int) -> int:

@@ -5,14 +5,16 @@ checksum failures, unreachability, and the journal's record of what is uploaded.
 import errno
 import os
 import socket
+import threading
 
+import crc32c
 import pytest
 import trio
 
 from bluecached import config
 from bluecached.daemon import StartupError, build_remote
 from bluecached.namespace import ROOT_INO, FsError
-from bluecached.s3 import CRC_META, SIZE_META, load_credentials, make_client
+from bluecached.s3 import CHUNKS_META, CRC_META, SIZE_META, load_credentials, make_client
 from support import MiB, pattern, run
 
 
@@ -64,6 +66,23 @@ async def find_path(h, path: str):
     return node
 
 
+def hold_fetch_after_chunk(remote, index: int) -> threading.Event:
+    """Makes the remote tier's downloads stop after checking chunk `index` until the returned
+    event is set (the real S3 download, held in its worker thread)."""
+    gate = threading.Event()
+    download = remote.s3.get_into
+
+    def held(key, info, views, chunk_size, on_chunk):
+        def checked(i):
+            on_chunk(i)
+            if i == index:
+                gate.wait(30)
+        return download(key, info, views, chunk_size, checked)
+
+    remote.s3.get_into = held
+    return gate
+
+
 def dead_endpoint() -> str:
     """A loopback port nothing listens on: connections are refused (the endpoint is down)."""
     with socket.socket() as s:
@@ -90,7 +109,7 @@ def test_block_written_on_one_host_is_found_and_read_on_another(harness, ceph, b
         node = await find_path(b, "/model/x/big.bin")
         assert node.size == len(big) and b.store.tier_of(node) == "remote"
         assert await b.get("/model/x/big.bin") == big
-        assert b.store.tier_of(node).startswith("dram+")
+        assert b.store.tier_of(node).startswith("dram+")   # a read to the end: all attached
         assert b.store.tier_of(node).endswith("+remote")
         assert await b.get("/model/x/big.bin") == big   # now from DRAM
         await find_path(b, "/model/x/small.bin")
@@ -390,8 +409,8 @@ def test_corruption_found_by_a_prefetch_is_never_served(harness, ceph, bucket):
         node = await find_path(b, "/x.bin")
         handle = await b.store.open(node.ino, os.O_RDONLY)   # opened before the prefetch ran
         await find_path(b, "/y.bin")
-        await until(lambda: rb.stats.checksum_failures == 1 and rb.stats.prefetches == 2,
-                    "the prefetches")
+        await until(lambda: rb.stats.checksum_failures == 1 and rb.stats.prefetches == 2
+                    and rb.stats.fetch_failures == 1, "the prefetches")
         with pytest.raises(FsError) as e:
             await b.read(handle.fh, 0, node.size)
         assert e.value.errno == errno.EIO
@@ -450,3 +469,98 @@ def test_directory_levels_a_listing_showed_need_no_request(harness, ceph, bucket
         with pytest.raises(FsError) as e:   # a name no listing showed is still asked for
             await find_path(b, "/m/r0/other")
         assert e.value.errno == errno.ENOENT and rb.stats.misses == 1
+
+
+def test_a_read_is_served_each_chunk_once_checked_while_the_rest_still_arrives(harness, ceph,
+                                                                              bucket):
+    a, b = harness(), harness()
+    attach(a, ceph, bucket)
+    rb = attach(b, ceph, bucket, prefetch=0)
+    data = pattern("streamed", 6 * MiB + 999)
+    gate = hold_fetch_after_chunk(rb, 1)
+
+    @serving(a, b)
+    async def _():
+        await a.put("/s.bin", data)
+        await until(lambda: a.store.remote.stats.uploads == 1, "the upload")
+        head = ceph.s3_client().head_object(Bucket=bucket[0], Key="s.bin")
+        assert CHUNKS_META in head["Metadata"]   # what lets B check chunk by chunk
+        node = await find_path(b, "/s.bin")
+        handle = await b.store.open(node.ino, os.O_RDONLY)
+        try:
+            with trio.fail_after(20):   # a read waiting for the whole object would hang here
+                assert await b.read(handle.fh, 0, 2 * MiB) == data[:2 * MiB]
+            assert node.obj.arrival is not None and rb.stats.fetches == 0
+            gate.set()
+            assert await b.read(handle.fh, 2 * MiB, len(data)) == data[2 * MiB:]
+        finally:
+            gate.set()
+            b.store.release(handle.fh)
+        assert rb.stats.fetches == 1 and node.obj.arrival is None   # read to the end: whole
+        assert await b.get("/s.bin") == data
+    a.check_consistency()
+    b.check_consistency()
+
+
+def test_a_chunk_failing_its_checksum_after_others_were_served_is_never_served(harness, ceph,
+                                                                              bucket):
+    a, b = harness(), harness()
+    attach(a, ceph, bucket)
+    rb = attach(b, ceph, bucket, prefetch=0)
+    data = pattern("partly bad", 5 * MiB)
+    s3 = ceph.s3_client()
+    gate = hold_fetch_after_chunk(rb, 0)
+
+    @serving(a, b)
+    async def _():
+        await a.put("/p.bin", data)
+        await until(lambda: a.store.remote.stats.uploads == 1, "the upload")
+        meta = s3.head_object(Bucket=bucket[0], Key="p.bin")["Metadata"]
+        bad = bytearray(data)
+        bad[3 * MiB + 5] ^= 1    # chunk 3 no longer matches its CRC
+        s3.put_object(Bucket=bucket[0], Key="p.bin", Body=bytes(bad), Metadata=meta)
+        node = await find_path(b, "/p.bin")
+        handle = await b.store.open(node.ino, os.O_RDONLY)
+        try:
+            with trio.fail_after(20):
+                assert await b.read(handle.fh, 0, MiB) == data[:MiB]
+            gate.set()
+            with pytest.raises(FsError) as e:
+                await b.read(handle.fh, MiB, 4 * MiB)
+            assert e.value.errno == errno.EIO
+        finally:
+            gate.set()
+            b.store.release(handle.fh)
+        assert rb.stats.checksum_failures == 1 and rb.stats.fetches == 0
+        with pytest.raises(FsError):
+            b.store.ns.resolve("/p.bin")
+    a.check_consistency()
+    b.check_consistency()   # the failed fetch's chunks went back to the pool exactly once
+
+
+def test_objects_without_chunk_checksums_are_checked_whole(harness, ceph, bucket):
+    b = harness()
+    rb = attach(b, ceph, bucket, prefetch=0)
+    s3 = ceph.s3_client()
+    data = pattern("older writer", 3 * MiB + 17)
+    meta = {CRC_META: f"{crc32c.crc32c(data):08x}", SIZE_META: str(len(data))}
+
+    @serving(b)
+    async def _():
+        # as written by a bluecache without chunk checksums, and with chunk checksums that
+        # disagree with the object's own (both fall back to checking the object whole)
+        s3.put_object(Bucket=bucket[0], Key="whole.bin", Body=data, Metadata=meta)
+        s3.put_object(Bucket=bucket[0], Key="odd.bin", Body=data,
+                      Metadata={**meta, CHUNKS_META: f"{MiB}:AAAAAAAAAAAAAAAAAAAAAA=="})
+        for name in ("whole.bin", "odd.bin"):
+            await find_path(b, f"/{name}")
+            assert await b.get(f"/{name}") == data
+        assert rb.stats.fetches == 2 and rb.stats.checksum_failures == 0
+        bad = bytearray(data)
+        bad[-1] ^= 1
+        s3.put_object(Bucket=bucket[0], Key="bad.bin", Body=bytes(bad), Metadata=meta)
+        await find_path(b, "/bad.bin")
+        with pytest.raises(FsError) as e:
+            await b.get("/bad.bin")
+        assert e.value.errno == errno.EIO and rb.stats.checksum_failures == 1
+    b.check_consistency()

@@ -228,3 +228,24 @@ def test_unlinked_files_held_only_by_the_kernel_do_not_wedge_writes(harness):
 
     run(main)
     h.check_consistency()
+
+
+def test_prefault_maps_the_whole_tier_once_and_writes_use_those_chunks(harness):
+    from bluecached.daemon import prefault
+    from bluecached.dram import populated_chunks
+    h = harness(dram=16 * MiB)
+    pool = h.store.tiers.dram
+
+    async def main():
+        await h.put("/early", pattern("early", 3 * MiB))   # 3 chunks mapped on demand
+        assert pool.missing_chunks() == 13
+        await prefault(pool)
+        assert pool.missing_chunks() == 0 and pool.used_bytes == 3 * MiB
+        free = {id(c) for c in pool._free}
+        await h.put("/later", pattern("later", 2 * MiB))
+        assert {id(c) for c in h.store.ns.resolve("/later").obj.chunks} <= free
+        pool.add_free(populated_chunks(1))   # nothing more is kept past the capacity
+        assert pool.missing_chunks() == 0 and len(pool._free) == 11
+        assert await h.get("/early") == pattern("early", 3 * MiB)
+    h.serve(main)
+    h.check_consistency()

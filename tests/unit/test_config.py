@@ -140,7 +140,7 @@ def test_unknown_nested_key_message_exactly(tmp_path):
     with pytest.raises(ConfigError) as info:
         load_config(path)
     assert str(info.value) == (f"{path}: unknown key tiers.dram.sise "
-                               "(known keys here: size, high_watermark, low_watermark)")
+                               "(known keys here: size, prefault, high_watermark, low_watermark)")
 
 
 @pytest.mark.parametrize(("text", "key", "expected"), [
@@ -318,7 +318,7 @@ def test_overrides_without_a_file():
      "override: tiers.dram.size: expected a size such as 4GiB or 512MiB, got 'lots'"),
     ({"tiers.dram.sise": "1GiB"},
      "override: unknown key tiers.dram.sise "
-     "(known keys here: size, high_watermark, low_watermark)"),
+     "(known keys here: size, prefault, high_watermark, low_watermark)"),
     ({"tier.dram.size": "1GiB"},
      "override: unknown key tier.dram.size (known keys here: state_dir,"),
     ({"tiers.dram.size.x": "1GiB"},
