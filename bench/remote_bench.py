@@ -43,6 +43,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import yaml
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT))
@@ -305,6 +307,9 @@ def main() -> int:
                     help="an earlier run's remote.json to list beside this one in the .md")
     ap.add_argument("--remote", action="append", default=[], metavar="KEY=VALUE",
                     help="extra remote: settings for both daemons, e.g. multipart_threshold=64MiB")
+    ap.add_argument("--set", action="append", default=["tiers.dram.prefault=true"],
+                    metavar="KEY=VALUE", help="other daemon settings for both daemons (default: "
+                    "tiers.dram.prefault=true, as on a DPU; tiers.dram.prefault=false undoes it)")
     args = ap.parse_args()
     out = ROOT / "docs" / "benchmarks"
     if args.quick:
@@ -326,16 +331,18 @@ def main() -> int:
         extra = dict(kv.split("=", 1) for kv in args.remote)
         remote = cluster.s3_settings("bench", creds, **extra)
         nvme = f"{(2 * args.prefix_blocks + args.objects + 8) * 32 + 1024}MiB"
+        settings = {"tiers.dram.size": "512MiB", "tiers.nvme.size": nvme,
+                    "tiers.nvme.segment_size": "1GiB"}
+        settings.update((k, yaml.safe_load(v)) for k, v in (kv.split("=", 1) for kv in args.set))
         for name in ("a", "b"):
-            d = DaemonProcess(work / name, remote=remote,
-                              **{"tiers.dram.size": "512MiB", "tiers.nvme.size": nvme,
-                                 "tiers.nvme.segment_size": "1GiB"}).start()
+            d = DaemonProcess(work / name, remote=remote, **settings).start()
             h = HostdProcess(d, work / f"mnt-{name}").start()
             stacks.append((d, h))
         (a, _), (b, _) = stacks
         results = {"when": datetime.datetime.now().isoformat(timespec="seconds"),
                    "machine": machine(), "remote_settings": {k: v for k, v in remote.items()
-                                                             if k != "credentials_file"}}
+                                                             if k != "credentials_file"},
+                   "daemon_settings": settings}
         results["per_object"] = per_object(s3, "bench", a, b, args.objects)
         print(json.dumps(results["per_object"]["median_s"]), flush=True)
         results["prefix_read"] = prefix_read(s3, "bench", work / "mnt-a", work / "mnt-b", a, b,

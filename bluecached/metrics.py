@@ -49,6 +49,7 @@ _REMOTE_METRICS = [
     ("prefetches", "counter", "Fetches started by a lookup (also counted as fetches)"),
     ("prefetches_read", "counter", "Prefetched objects a client then read"),
     ("prefetches_dropped", "counter", "Prefetches not done: no DRAM room at once, queue full"),
+    ("opening_gets", "counter", "Lookups asked with a GET of the first bytes, as a prefetch"),
     ("listed_hits", "counter", "Directory lookups answered by a recent LIST"),
     ("checksum_failures", "counter", "Remote objects whose CRC32C did not match"),
     ("capacity_deletes", "counter", "Objects deleted to keep within max_bytes / max_age"),

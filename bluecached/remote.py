@@ -29,6 +29,8 @@ does, all on the event loop with the blocking S3 calls in worker threads (blueca
 from __future__ import annotations
 
 import errno
+import functools
+import inspect
 import logging
 import time
 from collections import deque
@@ -53,6 +55,17 @@ PLACEHOLDER_TTL_S = 600      # a looked-up, never-read placeholder is forgotten 
 MAINTAIN_INTERVAL_S = 5
 
 
+# trio 0.22 (Debian's) names it `cancellable`; later versions `abandon_on_cancel`
+_ABANDON = ("abandon_on_cancel" if "abandon_on_cancel" in
+            inspect.signature(trio.to_thread.run_sync).parameters else "cancellable")
+
+
+async def _abandonable_thread(fn, *args):
+    """A worker-thread call whose result may stop mattering: cancelling the caller leaves the
+    thread to finish on its own."""
+    return await trio.to_thread.run_sync(fn, *args, **{_ABANDON: True})
+
+
 @dataclass
 class RemoteCounters:
     lookups: int = 0
@@ -60,6 +73,7 @@ class RemoteCounters:
     misses: int = 0
     negative_hits: int = 0
     listed_hits: int = 0         # directory lookups a recent LIST answered (no request)
+    opening_gets: int = 0        # lookups that asked with a GET of the first bytes (no HEAD)
     skipped_down: int = 0        # lookups answered as a miss because the tier was down
     uploads: int = 0
     upload_bytes: int = 0
@@ -122,6 +136,7 @@ class RemoteTier:
         self._upload_limiter = trio.CapacityLimiter(max(1, policy.upload_workers))
         self._placeholders: dict[int, tuple[Inode, float, str]] = {}   # ino -> (node, since, key)
         self._listed: dict[str, tuple[float, bool]] = {}   # key -> (expiry, is a directory)
+        self._file_dirs: dict[int, None] = {}   # directories where a lookup found a file
         self._prefetch_queue: deque[Inode] = deque()
         self._prefetching = 0
         self._prefetching_bytes = 0
@@ -238,60 +253,122 @@ class RemoteTier:
             self._listed[first[:cut]] = (expiry, True)
             cut = first.find("/", cut + 1)
 
-    async def _head_and_list(self, key: str) -> tuple:
-        """(HEAD of key, first key under key/), the two requests in flight together."""
+    async def _head_and_list(self, key: str, head) -> tuple:
+        """(head(key), first key under key/), the two requests in flight together. A HEAD
+        that finds a file answers at once: the LIST (is it also a directory?) is then left to
+        finish on its own, as a file wins over a directory of the same name anyway."""
         out: dict[str, object] = {}
 
         async def ask(what: str, fn, arg) -> None:
             try:
-                out[what] = await self._thread(fn, arg)
+                out[what] = await _abandonable_thread(fn, arg)
             except S3Error as e:   # kept: one S3Error for the caller, not an exception group
                 out[what] = e
+            if what == "head" and out[what] is not None and not isinstance(out[what], S3Error):
+                nursery.cancel_scope.cancel()
 
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(ask, "head", self.s3.head, key)
+            nursery.start_soon(ask, "head", head, key)
             nursery.start_soon(ask, "list", self.s3.first_key, key + "/")
         for value in out.values():
             if isinstance(value, S3Error):
                 raise value
-        return out["head"], out["list"]
+        return out["head"], out.get("list")
+
+    def _opening_length(self) -> int:
+        """Bytes a lookup GETs at once (the start of a prefetch) instead of a HEAD, or 0
+        (then a HEAD): only with a prefetch slot free and nothing queued before it."""
+        policy = self.policy
+        if (policy.prefetch <= 0 or self._prefetching >= policy.prefetch
+                or self._prefetch_queue or self.unread_bytes() >= self.prefetch_budget()):
+            return 0
+        return max(CHUNK_SIZE, self.s3.part_size // CHUNK_SIZE * CHUNK_SIZE)
 
     async def _ask(self, parent: int, name: bytes, key: str) -> Inode:
         store = self.store
         listed = self._listed_as(key)
+        opening = self._opening_length() if listed is not True else 0
+        if opening:
+            self.stats.opening_gets += 1
+            self._prefetching += 1    # the slot is this lookup's until it knows the size
+            head = functools.partial(self._open_object, length=opening)
+        else:
+            head = self.s3.head
+        opened, info, is_dir = None, None, False
         try:
-            if listed is True:
-                info, first, is_dir = None, None, True
-                self.stats.listed_hits += 1
-            elif listed is False:   # a file, as far as a LIST knows: the LIST only if it is not
-                info = await self._thread(self.s3.head, key)
-                first = None if info else await self._thread(self.s3.first_key, key + "/")
-                is_dir = first is not None
+            try:
+                if listed is True:
+                    info, first, is_dir = None, None, True
+                    self.stats.listed_hits += 1
+                elif listed is False or parent in self._file_dirs:
+                    # a file as far as a LIST knows, or in a directory of files: the LIST only
+                    # if there is no such file
+                    info = await self._thread(head, key)
+                    first = None if info else await self._thread(self.s3.first_key, key + "/")
+                    is_dir = info is None and first is not None
+                else:
+                    info, first = await self._head_and_list(key, head)
+                    is_dir = info is None and first is not None
+                if is_dir and first is not None:
+                    self._remember_listed(first)
+            except S3Error as e:
+                self._error(e)
+                self.stats.misses += 1
+                raise FsError(errno.ENOENT) from None
+            if opening and info is not None:
+                info, opened = info[0], info[1:]
+            self._recovered()
+            try:
+                return store.ns.lookup(parent, name)   # created here while we asked
+            except FsError:
+                pass
+            if info is None and not is_dir:
+                self.stats.misses += 1
+                self._remember_miss(key)
+                raise FsError(errno.ENOENT)
+            self.stats.hits += 1
+            if is_dir:
+                return store.mkdir_like_parent(parent, name)
+            self._note_file_dir(parent)
+            node = store.add_placeholder(parent, name, info)
+            self._placeholders[node.ino] = (node, trio.current_time(), key)
+            if opened is not None:
+                opened = self._prefetch_opened(node, opened)   # None: it took the body
             else:
-                info, first = await self._head_and_list(key)
-                is_dir = info is None and first is not None
-            if is_dir and first is not None:
-                self._remember_listed(first)
-        except S3Error as e:
-            self._error(e)
-            self.stats.misses += 1
-            raise FsError(errno.ENOENT) from None
-        self._recovered()
-        try:
-            return store.ns.lookup(parent, name)   # created here while we asked
-        except FsError:
-            pass
-        if info is None and not is_dir:
-            self.stats.misses += 1
-            self._remember_miss(key)
-            raise FsError(errno.ENOENT)
-        self.stats.hits += 1
-        if is_dir:
-            return store.mkdir_like_parent(parent, name)
-        node = store.add_placeholder(parent, name, info)
-        self._placeholders[node.ino] = (node, trio.current_time(), key)
-        self._want_prefetch(node)
-        return node
+                self._want_prefetch(node)
+            return node
+        finally:
+            if opening:
+                if opened is not None and opened[0] is not None:
+                    opened[0].close()   # not taken (no prefetch after all): drop the answer
+                if opened is not None or info is None or is_dir:
+                    self._prefetching -= 1
+                    self._wake_prefetcher()
+
+    def _open_object(self, key: str, length: int):
+        """open_object as a lookup's request: what it says of the object, with its body."""
+        return self.s3.open_object(key, length)
+
+    def _note_file_dir(self, parent: int) -> None:
+        if len(self._file_dirs) >= NEGATIVE_CACHE_MAX:
+            self._file_dirs.clear()
+        self._file_dirs[parent] = None
+
+    def _prefetch_opened(self, node: Inode, opened: tuple) -> tuple | None:
+        """A lookup's GET found the file: its body becomes the start of a prefetch, within
+        the bounds a queued one has. Returns `opened` if it was not taken."""
+        size = node.size
+        if self.unread_bytes() + size > self.prefetch_budget():
+            self._want_prefetch(node)   # waits for room in the queue, HEAD-style
+            return opened
+        chunks = self.store.tiers.try_take_chunks(chunk_count(size))
+        if chunks is None:   # DRAM pressure: leave it to the reader
+            self.stats.prefetches_dropped += 1
+            return opened
+        self._prefetching_bytes += size
+        node.obj.arrival = Arrival(chunk_count(size))
+        self._nursery.start_soon(self._fetch_task, node, node.obj.arrival, chunks, True, opened)
+        return None
 
     # -- fetching a placeholder's bytes ----------------------------------------------------
 
@@ -305,7 +382,7 @@ class RemoteTier:
         return obj.arrival
 
     async def _fetch_task(self, node: Inode, arrival: Arrival, chunks: list | None,
-                          prefetch: bool) -> None:
+                          prefetch: bool, opened: tuple | None = None) -> None:
         obj = node.obj
         try:
             async with obj.content_lock():
@@ -317,8 +394,10 @@ class RemoteTier:
                 if prefetch:
                     self.stats.prefetches += 1
                 try:
-                    await self._fetch(node, arrival, chunks)
+                    await self._fetch(node, arrival, chunks, opened)
+                    opened = None
                 except FsError as e:   # counted and logged; the readers got EIO from arrival
+                    opened = None   # get_into closed it, or _fetch did
                     log.info("%s of inode %d: %s", "prefetch" if prefetch else "fetch",
                              node.ino, e)
                     return
@@ -331,6 +410,8 @@ class RemoteTier:
                         self.store.tiers.pin(obj)
                         self._unread[node.ino] = (node, trio.current_time())
         finally:
+            if opened is not None and opened[0] is not None:
+                opened[0].close()   # never handed to a download
             if obj.arrival is arrival:
                 obj.arrival = None
             if not (arrival.complete or arrival.failed):
@@ -345,7 +426,8 @@ class RemoteTier:
         and needs them all (a write, a truncation, a checksum)."""
         await self._fetch(node, Arrival(chunk_count(node.size)), None)
 
-    async def _fetch(self, node: Inode, arrival: Arrival, chunks: list | None) -> None:
+    async def _fetch(self, node: Inode, arrival: Arrival, chunks: list | None,
+                     opened: tuple | None = None) -> None:
         """Pulls a placeholder's bytes into DRAM (then written behind to NVMe like any new
         object), into `chunks` if given (a prefetch's), marking each chunk in `arrival` once
         its CRC32C matched. Caller holds the content lock. On any failure the placeholder is
@@ -363,6 +445,8 @@ class RemoteTier:
             return FsError(errno.EIO, f"remote tier: {why}")
 
         if not self.reachable:
+            if opened is not None and opened[0] is not None:
+                opened[0].close()
             store.remove_object(node, "remote tier unreachable")
             raise failed(f"unreachable: {self.last_error}")
         if chunks is None:
@@ -379,7 +463,7 @@ class RemoteTier:
             if key is None:
                 raise Changed("the file lost its name")
             await self._thread(self.s3.get_into, key, info, views(chunks, 0, size),
-                               CHUNK_SIZE, checked)
+                               CHUNK_SIZE, checked, opened)
         except ChecksumMismatch as e:
             self.stats.checksum_failures += 1
             log.error("remote object %s failed its checksum, deleting it: %s", key, e)

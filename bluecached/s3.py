@@ -39,9 +39,10 @@ class S3Error(Exception):
     """A failed S3 call. `unreachable` is True when no answer came (connection refused, timed
     out): the tier is then marked down until a probe succeeds."""
 
-    def __init__(self, message: str, unreachable: bool = False):
+    def __init__(self, message: str, unreachable: bool = False, status: int | None = None):
         super().__init__(message)
         self.unreachable = unreachable
+        self.status = status     # the HTTP status of an answer, if there was one
 
 
 class ChecksumMismatch(Exception):
@@ -167,7 +168,8 @@ def _classify(e: Exception, what: str) -> Exception:
         if code in ("404", "NoSuchKey", "NotFound", "412", "PreconditionFailed") or \
                 status in (404, 412):
             return Changed(f"{what}: {code or status}")
-        return S3Error(f"{what}: {code or status}: {e.response.get('Error', {}).get('Message')}")
+        return S3Error(f"{what}: {code or status}: {e.response.get('Error', {}).get('Message')}",
+                       status=status)
     if isinstance(e, EndpointConnectionError | ConnectTimeoutError | ReadTimeoutError |
                   ConnectionClosedError):
         return S3Error(f"{what}: {e}", unreachable=True)
@@ -238,6 +240,18 @@ def _slice(views: list[memoryview], offset: int, length: int) -> list[memoryview
     return out
 
 
+def _describe(r: dict, size: int) -> RemoteObject:
+    """The object a HEAD or GET answer describes (its metadata carries the checksums)."""
+    meta = r.get("Metadata", {})
+    crc = meta.get(CRC_META)
+    try:
+        crc = int(crc, 16) if crc is not None else None
+    except ValueError:
+        crc = None
+    chunks = decode_chunk_crcs(meta.get(CHUNKS_META), size, crc) or (None, 0)
+    return RemoteObject(size, crc, r.get("ETag", ""), r["LastModified"].timestamp(), *chunks)
+
+
 class S3Store:
     """Blocking S3 calls on one bucket and key prefix. Thread-safe (botocore clients are)."""
 
@@ -271,16 +285,31 @@ class S3Store:
             r = self._call(f"head {key}", self.client.head_object, Key=key)
         except Changed:
             return None
-        meta = r.get("Metadata", {})
-        crc = meta.get(CRC_META)
+        return _describe(r, r["ContentLength"])
+
+    def open_object(self, key: str, length: int) -> tuple[RemoteObject, object, int] | None:
+        """A GET of the object's first `length` bytes whose body is left to the caller to read
+        (into `get_into`) or close: what a HEAD says of the object, without a round trip of
+        its own before the bytes come. (object, body, bytes in body), or None if there is no
+        such object."""
         try:
-            crc = int(crc, 16) if crc is not None else None
-        except ValueError:
-            crc = None
-        size = r["ContentLength"]
-        chunks = decode_chunk_crcs(meta.get(CHUNKS_META), size, crc) or (None, 0)
-        return RemoteObject(size, crc, r.get("ETag", ""), r["LastModified"].timestamp(),
-                            *chunks)
+            r = self._call(f"get {key}", self.client.get_object, Key=key,
+                           Range=f"bytes=0-{length - 1}")
+        except Changed:
+            return None
+        except S3Error as e:
+            if e.status != 416:   # an empty object has no byte 0
+                raise
+            info = self.head(key)
+            return None if info is None else (info, None, 0)
+        body = r["Body"]
+        try:
+            content_range = r.get("ContentRange")   # "bytes 0-8388607/33554432"
+            size = int(content_range.rsplit("/", 1)[1]) if content_range else r["ContentLength"]
+            return _describe(r, size), body, r["ContentLength"]
+        except (KeyError, ValueError, IndexError) as e:
+            body.close()
+            raise S3Error(f"get {key}: unexpected answer: {e}") from None
 
     def first_key(self, prefix: str) -> str | None:
         """The first key under prefix (one-key LIST), or None if there is none."""
@@ -349,15 +378,28 @@ class S3Store:
         return crc
 
     def get_into(self, key: str, obj: RemoteObject, views: list[memoryview], chunk_size: int,
-                 on_chunk=None) -> bytes:
+                 on_chunk=None, opened: tuple[object, int] | None = None) -> bytes:
         """Downloads the object a lookup saw (IfMatch its ETag) into `views` (one per
         `chunk_size` chunk, the last one possibly shorter), with parallel ranged GETs above the
-        threshold. Each chunk is checked against its CRC32C as it arrives, then reported with
-        `on_chunk(index)` (from a worker thread); without chunk CRCs the whole object is
-        checked at the end and nothing is reported. Returns the chunks' CRC32Cs (packed)."""
+        threshold; `opened` is (body, length) of an `open_object` GET of its start, read
+        first (and closed here whatever happens). Each chunk is checked against its CRC32C as
+        it arrives, then reported with `on_chunk(index)` (from a worker thread); without chunk
+        CRCs the whole object is checked at the end and nothing is reported. Returns the
+        chunks' CRC32Cs (packed)."""
+        first_body, first_length = opened or (None, 0)
+        try:
+            return self._get_into(key, obj, views, chunk_size, on_chunk, first_body,
+                                  first_length)
+        finally:
+            if first_body is not None:
+                first_body.close()
+
+    def _get_into(self, key, obj, views, chunk_size, on_chunk, first_body, first_length):
         if obj.crc is None:
             raise ChecksumMismatch(f"{key} carries no {CRC_META} metadata")
         size = obj.size
+        if first_body is not None and first_length != size and first_length % chunk_size:
+            raise ValueError("an opened body must end on a chunk boundary")
         if sum(len(v) for v in views) != size or any(
                 len(v) != min(chunk_size, size - i * chunk_size) for i, v in enumerate(views)):
             raise ValueError("destination is not the object's chunks")
@@ -367,12 +409,13 @@ class S3Store:
         got = [0] * len(views)
         stop = False   # one range failed: the others stop at their next chunk
 
-        def fetch(first: int, last: int) -> None:   # chunks first..last-1
+        def fetch(first: int, last: int, body=None) -> None:   # chunks first..last-1
             offset, end = first * chunk_size, min(size, last * chunk_size)
             kw = {"Key": key, "IfMatch": obj.etag} if obj.etag else {"Key": key}
             if end - offset != size:
                 kw["Range"] = f"bytes={offset}-{end - 1}"
-            body = self._call(f"get {key}", self.client.get_object, **kw)["Body"]
+            if body is None:
+                body = self._call(f"get {key}", self.client.get_object, **kw)["Body"]
             try:
                 for i in range(first, last):
                     if stop:
@@ -397,13 +440,18 @@ class S3Store:
                 body.close()
 
         count = len(views)
+        opened = -(-first_length // chunk_size) if first_body is not None else 0
         if size <= self.multipart_threshold or size <= self.part_size:
-            if size:
-                fetch(0, count)
+            ranges = [(0, opened, first_body)] if opened else []
+            if opened < count:
+                ranges.append((opened, count, None))
+            for first, last, body in ranges:
+                fetch(first, last, body)
         else:
             step = max(1, self.part_size // chunk_size)   # ranges of whole chunks
-            futures = [self._pool.submit(fetch, i, min(count, i + step))
-                       for i in range(0, count, step)]
+            futures = [self._pool.submit(fetch, 0, opened, first_body)] if opened else []
+            futures += [self._pool.submit(fetch, i, min(count, i + step))
+                        for i in range(opened, count, step)]
             try:
                 for f in futures:
                     f.result()

@@ -72,12 +72,12 @@ def hold_fetch_after_chunk(remote, index: int) -> threading.Event:
     gate = threading.Event()
     download = remote.s3.get_into
 
-    def held(key, info, views, chunk_size, on_chunk):
+    def held(key, info, views, chunk_size, on_chunk, opened=None):
         def checked(i):
             on_chunk(i)
             if i == index:
                 gate.wait(30)
-        return download(key, info, views, chunk_size, checked)
+        return download(key, info, views, chunk_size, checked, opened)
 
     remote.s3.get_into = held
     return gate
@@ -429,7 +429,7 @@ def test_remote_down_during_a_prefetch_leaves_a_miss_and_local_reads_go_on(harne
     a, b = harness(), harness()
     attach(a, ceph, bucket)
     rb = attach(b, ceph, bucket, prefetch=1, timeout="1s", retry_interval="1h")
-    data = pattern("far", 6 * MiB)
+    data = pattern("far", 12 * MiB)   # more than the lookup's own GET asks for (8 MiB)
     local = pattern("near", 2 * MiB)
 
     @serving(a, b)
@@ -438,7 +438,8 @@ def test_remote_down_during_a_prefetch_leaves_a_miss_and_local_reads_go_on(harne
         await until(lambda: a.store.remote.stats.uploads == 1, "the upload")
         await b.put("/near.bin", local)
         node = await find_path(b, "/far.bin")
-        # the endpoint goes away between the lookup and the prefetch: connections are refused
+        # the endpoint goes away between the lookup (whose GET brings the first 8 MiB) and the
+        # rest of the prefetch: connections are refused
         rb.s3.client = make_client(dead_endpoint(), "us-east-1", load_credentials(bucket[1]),
                                    None, True, "path", 1, 4)
         await until(lambda: rb.stats.fetch_failures == 1, "the failed prefetch")
@@ -563,4 +564,41 @@ def test_objects_without_chunk_checksums_are_checked_whole(harness, ceph, bucket
         with pytest.raises(FsError) as e:
             await b.get("/bad.bin")
         assert e.value.errno == errno.EIO and rb.stats.checksum_failures == 1
+    b.check_consistency()
+
+
+def test_a_lookup_with_a_prefetch_slot_free_gets_the_first_bytes_instead_of_a_head(harness, ceph,
+                                                                                  bucket):
+    a, b = harness(), harness()
+    attach(a, ceph, bucket)
+    rb = attach(b, ceph, bucket, prefetch=1)
+    files = {"/d/big.bin": pattern("big", 20 * MiB + 3), "/d/small.bin": pattern("small", 999),
+             "/d/empty.bin": b"", "/d/sub/leaf.bin": pattern("leaf", 5000)}
+
+    @serving(a, b)
+    async def _():
+        for path, data in files.items():
+            await a.put(path, data)
+        await until(lambda: a.store.remote.stats.uploads == len(files), "the uploads")
+        await find_path(b, "/d")                     # (a GET that misses, and a LIST)
+        opening = rb.stats.opening_gets
+        big = await find_path(b, "/d/big.bin")      # a GET of 8 MiB answers the lookup
+        assert rb.stats.opening_gets == opening + 1 and big.size == len(files["/d/big.bin"])
+        small = await find_path(b, "/d/small.bin")  # the slot is busy: a HEAD, and queued
+        assert rb.stats.opening_gets == opening + 1 and small.size == 999
+        assert await b.get("/d/big.bin") == files["/d/big.bin"]
+        await until(lambda: rb.stats.prefetches == 2, "the queued prefetch")
+        assert await b.get("/d/small.bin") == files["/d/small.bin"]
+        assert rb.stats.prefetches_read == 2
+        # an empty object has no first byte to GET (416): the lookup falls back to a HEAD
+        empty = await find_path(b, "/d/empty.bin")
+        assert empty.size == 0 and await b.get("/d/empty.bin") == b""
+        # /d holds files: a directory there is found by a LIST after the GET misses
+        assert await find_path(b, "/d/sub/leaf.bin")
+        assert await b.get("/d/sub/leaf.bin") == files["/d/sub/leaf.bin"]
+        with pytest.raises(FsError) as e:
+            await find_path(b, "/d/none.bin")
+        assert e.value.errno == errno.ENOENT
+        assert rb._prefetching == 0 and rb._prefetching_bytes == 0   # every slot came back
+    a.check_consistency()
     b.check_consistency()
