@@ -6,7 +6,10 @@ radosgw on loopback) and two complete embedded instances A and B (bluecached + h
 own state dir and mount) sharing one bucket, then measures in the same run:
 
   per object (--objects, 32 MiB each, interleaved, medians)
-    raw_put          boto3 put_object of the bytes (one PUT, bytes in memory)
+    raw_put          boto3 put_object of the bytes (one PUT, bytes in memory), boto3's defaults:
+                     on plain http that signs the payload (a SHA-256 of the body on both ends)
+    raw_put_unsigned the same with payload signing off, as bluecached uploads by default
+                     (remote.sign_payload: false): the same work on the wire
     store_upload     bluecached on A: create + write + release through the protocol, until A's
                      remote tier reports the upload done (admission: all)
     raw_get          boto3 get_object + read of the same bytes
@@ -21,8 +24,9 @@ own state dir and mount) sharing one bucket, then measures in the same run:
     host_b_interleaved  another prefix, exists then open/read block by block (the pattern
                      of the first version of this benchmark)
 
-Ratios: raw_put / store_upload and raw_get / remote_fetch (target >= 0.9), raw_io /
-host_b_read. Results: docs/benchmarks/remote.{json,png,md}.
+Ratios: raw_put / store_upload and raw_get / remote_fetch (target >= 0.9), also
+raw_put_unsigned / store_upload, raw_io / host_b_read. Results:
+docs/benchmarks/remote.{json,png,md}.
 
     python bench/remote_bench.py            # full run, ~3 minutes on 2 cores
     python bench/remote_bench.py --quick    # smoke test, results to /tmp/bluecache-bench-quick/
@@ -49,12 +53,14 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT))
 
+from bluecached.s3 import load_credentials, make_client  # noqa: E402
 from ceph_cluster import CephCluster  # noqa: E402
 from connectors import block_name, llmd_read, llmd_write  # noqa: E402
 from support import DaemonProcess, FileClient, HostdProcess, force_unmount  # noqa: E402
 
 MiB = 1 << 20
 OBJECT = 32 * MiB
+NOTES = ROOT / "docs" / "benchmarks" / "remote-notes.md"   # the analysis, kept by hand
 
 
 def machine() -> dict:
@@ -120,10 +126,12 @@ def read_into_region(fc: FileClient, parent: int, name: str) -> float:
     return looked_up
 
 
-def per_object(s3, bucket: str, a: DaemonProcess, b: DaemonProcess, count: int) -> dict:
+def per_object(s3, s3_unsigned, bucket: str, a: DaemonProcess, b: DaemonProcess,
+               count: int) -> dict:
     fa, fb = FileClient(a, region_size=OBJECT), FileClient(b, region_size=OBJECT)
-    times = {k: [] for k in ("raw_put", "store_upload", "store_only", "raw_get", "remote_fetch",
-                             "daemon_upload", "daemon_fetch", "remote_lookup")}
+    times = {k: [] for k in ("raw_put", "raw_put_unsigned", "store_upload", "store_only",
+                             "raw_get", "remote_fetch", "daemon_upload", "daemon_fetch",
+                             "remote_lookup")}
     try:
         fa.put("/objects/warmup", data_for(999_999))      # directory made, daemon warm
         wait_uploads(a, 1)
@@ -134,6 +142,9 @@ def per_object(s3, bucket: str, a: DaemonProcess, b: DaemonProcess, count: int) 
             t0 = time.perf_counter()
             s3.put_object(Bucket=bucket, Key=f"raw/{i}", Body=data)
             times["raw_put"].append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            s3_unsigned.put_object(Bucket=bucket, Key=f"raw/{i}", Body=data)
+            times["raw_put_unsigned"].append(time.perf_counter() - t0)
 
             up0 = remote_stats(a)["upload_seconds"]
             t0 = time.perf_counter()
@@ -161,6 +172,7 @@ def per_object(s3, bucket: str, a: DaemonProcess, b: DaemonProcess, count: int) 
     med = {k: statistics.median(v) for k, v in times.items()}
     return {"count": count, "object_bytes": OBJECT, "seconds": times, "median_s": med,
             "ratio_put": med["raw_put"] / med["store_upload"],
+            "ratio_put_unsigned": med["raw_put_unsigned"] / med["store_upload"],
             "ratio_get": med["raw_get"] / med["remote_fetch"]}
 
 
@@ -249,6 +261,7 @@ Runs compared (the same script, on this machine, one after another; `--baseline`
 def summary(label: str, results: dict) -> dict:
     o, p = results["per_object"], results["prefix_read"]
     return {"label": label, "upload": o["ratio_put"], "fetch": o["ratio_get"],
+            "upload_unsigned": o.get("ratio_put_unsigned"),
             "check_s": p["host_b_check_s"], "read_s": p["host_b_read_s"], "ratio": p["ratio"],
             "interleaved_s": p["host_b_interleaved_s"],
             "ratio_interleaved": p["ratio_interleaved"]}
@@ -259,6 +272,9 @@ def write_md(results: dict, path: Path) -> None:
     med = {k: f"{v * 1000:.0f} ms" for k, v in o["median_s"].items()}
     upload = (f"| upload | PUT {med['raw_put']} | store + upload {med['store_upload']} "
               f"(store alone {med['store_only']}) | {o['ratio_put']:.2f} |")
+    upload_same = (f"| upload, payload signing off on both sides | PUT "
+                   f"{med['raw_put_unsigned']} | store + upload {med['store_upload']} | "
+                   f"{o['ratio_put_unsigned']:.2f} |")
     fetch = (f"| fetch | GET {med['raw_get']} | lookup + read on host B {med['remote_fetch']} "
              f"| {o['ratio_get']:.2f} |")
     llmd = (f"| llm-d: exists of every block ({p['host_b_check_s']:.2f} s), then open + read "
@@ -275,7 +291,12 @@ includes Ceph's own CPU use on the same 2 cores. Nothing here ran on a BlueField
 | 32 MiB object, median of {o['count']} | plain boto3 | through bluecached | ratio (target >= 0.9) |
 |---|---|---|---|
 {upload}
+{upload_same}
 {fetch}
+
+Inside bluecached (medians): upload {med['daemon_upload']} in S3 calls; on host B the lookup
+took {med['remote_lookup']} and the S3 download (started by the lookup) {med['daemon_fetch']}.
+Daemon settings: `{json.dumps(results.get('daemon_settings', {}))}`.
 
 Host B reading a {p['blocks']}-block prefix ({p['bytes'] >> 20} MiB) that host A wrote, through
 its mount, against {p['raw_io_s']:.2f} s for the {p['blocks']} plain GETs alone:
@@ -287,12 +308,16 @@ its mount, against {p['raw_io_s']:.2f} s for the {p['blocks']} plain GETs alone:
 {baselines(results)}
 
 What the bluecached side does on top of the raw client: upload: the store through the
-protocol (DRAM), queueing, a CRC32C over the object, a multipart upload of 8 MiB parts, 4 at
-a time, read straight from the DRAM chunks; fetch: a HEAD (the lookup), parallel ranged GETs
-pinned to the ETag, a CRC32C check, the copy into the client's region. `json`: every sample.
+protocol (DRAM), queueing, a CRC32C per 1 MiB chunk (the object's CRC derived from them), a
+multipart upload of 8 MiB parts, 4 at a time, read straight from the DRAM chunks; fetch: the
+lookup's GET of the first 8 MiB (no HEAD when a prefetch slot is free), parallel ranged GETs
+of the rest pinned to the ETag, each chunk's CRC32C checked as it arrives, the engine's copy
+of each checked run into the client's region while the rest still arrives. `json`: every
+sample.
 
 ![remote tier](remote.png)
-""")
+
+{NOTES.read_text() if NOTES.exists() else ""}""")
 
 
 def main() -> int:
@@ -343,7 +368,9 @@ def main() -> int:
                    "machine": machine(), "remote_settings": {k: v for k, v in remote.items()
                                                              if k != "credentials_file"},
                    "daemon_settings": settings}
-        results["per_object"] = per_object(s3, "bench", a, b, args.objects)
+        unsigned = make_client(cluster.endpoint, "us-east-1", load_credentials(creds), None, True,
+                               "path", 30, 10, sign_payload=False)
+        results["per_object"] = per_object(s3, unsigned, "bench", a, b, args.objects)
         print(json.dumps(results["per_object"]["median_s"]), flush=True)
         results["prefix_read"] = prefix_read(s3, "bench", work / "mnt-a", work / "mnt-b", a, b,
                                              args.prefix_blocks)

@@ -632,6 +632,13 @@ BLUECACHED = Schema("Config", (
         "addressing_style": Field(as_choice("auto", "path", "virtual"), "auto",
                                   "Bucket in the path or in the host name; most non-AWS "
                                   "endpoints want path."),
+        "sign_payload": Field(as_flag(), False,
+                              "Put a SHA-256 of every uploaded byte in the request signature. "
+                              "Off: uploads say UNSIGNED-PAYLOAD (TLS protects the bytes on "
+                              "https, the CRC32C per chunk is checked on every fetch, and a "
+                              "GET's body is not signed either way); on: for an endpoint whose "
+                              "policy demands signed payloads. It costs a SHA-256 pass over "
+                              "each upload on both ends."),
         "timeout": Field(as_duration(), "5s",
                          "Connect and read timeout of each S3 request; a request that gets no "
                          "answer marks the tier unreachable."),
@@ -645,9 +652,12 @@ BLUECACHED = Schema("Config", (
         "upload_workers": Field(as_count(minimum=1, maximum=64), 2, "Concurrent uploads."),
         "part_size": Field(as_size(minimum=5 * MiB, maximum=5 * GiB), "8MiB",
                            "Part size of multipart uploads and ranged downloads."),
-        "multipart_threshold": Field(as_size(minimum=5 * MiB), "16MiB",
+        "multipart_threshold": Field(as_size(minimum=5 * MiB), "64MiB",
                                      "Objects larger than this are uploaded in parts and "
-                                     "downloaded in parallel ranges."),
+                                     "downloaded in parallel ranges; up to it, one request "
+                                     "streams each (several objects are in flight at once: "
+                                     "upload_workers, prefetch). Lower it for links where one "
+                                     "stream is slow."),
         "part_concurrency": Field(as_count(minimum=1, maximum=64), 4,
                                   "Parts moved at once for one object."),
         "prefetch": Field(as_count(minimum=0, maximum=64), 2,

@@ -90,7 +90,8 @@ def build_remote(rc):
     connections = (rc.upload_workers + rc.prefetch + 2) * rc.part_concurrency + 8
     try:
         client = s3.make_client(rc.endpoint, rc.region, credentials, rc.ca_bundle,
-                                rc.verify_tls, rc.addressing_style, rc.timeout, connections)
+                                rc.verify_tls, rc.addressing_style, rc.timeout, connections,
+                                rc.sign_payload)
     except ImportError as e:
         raise StartupError(f"remote tier: {e} (install python3-boto3)") from None
     except ValueError as e:   # botocore's complaint about an endpoint or a setting

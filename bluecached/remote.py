@@ -282,7 +282,10 @@ class RemoteTier:
         if (policy.prefetch <= 0 or self._prefetching >= policy.prefetch
                 or self._prefetch_queue or self.unread_bytes() >= self.prefetch_budget()):
             return 0
-        return max(CHUNK_SIZE, self.s3.part_size // CHUNK_SIZE * CHUNK_SIZE)
+        # an object up to the multipart threshold comes whole in this one GET (as a read's
+        # fetch would have it); beyond, the rest in parallel ranges once the size is known
+        length = max(self.s3.part_size, self.s3.multipart_threshold)
+        return max(CHUNK_SIZE, length // CHUNK_SIZE * CHUNK_SIZE)
 
     async def _ask(self, parent: int, name: bytes, key: str) -> Inode:
         store = self.store
@@ -462,8 +465,8 @@ class RemoteTier:
         try:
             if key is None:
                 raise Changed("the file lost its name")
-            await self._thread(self.s3.get_into, key, info, views(chunks, 0, size),
-                               CHUNK_SIZE, checked, opened)
+            crcs = await self._thread(self.s3.get_into, key, info, views(chunks, 0, size),
+                                      CHUNK_SIZE, checked, opened)
         except ChecksumMismatch as e:
             self.stats.checksum_failures += 1
             log.error("remote object %s failed its checksum, deleting it: %s", key, e)
@@ -502,6 +505,7 @@ class RemoteTier:
         tiers.mark_resident(node)
         self.stats.fetches += 1
         self.stats.fetch_bytes += size
+        tiers.note_crcs(node, crcs)   # checked on arrival: write-behind reuses them
         tiers.queue_writeback(node)
 
     async def _delete_quietly(self, key: str | None) -> None:
@@ -661,8 +665,8 @@ class RemoteTier:
             obj.uploading = trio.Event()
         started = time.perf_counter()
         try:
-            await self._thread(self.s3.put, key, body, CHUNK_SIZE, known,
-                               limiter=self._upload_limiter)
+            crcs = await self._thread(self.s3.put, key, body, CHUNK_SIZE, known,
+                                      limiter=self._upload_limiter)
         except S3Error as e:
             self._error(e)
             if e.unreachable and obj.version == version and node.parent is not None:
@@ -686,6 +690,8 @@ class RemoteTier:
         obj.remote_version = version
         if obj.persisted:
             tiers.log(index.remote_record(node.ino))
+        elif known is None:
+            tiers.note_crcs(node, crcs)   # write-behind, still to come, needs no pass of its own
 
     # -- changes made by clients -----------------------------------------------------------
 

@@ -135,7 +135,7 @@ def checksum_options() -> dict:
 
 def make_client(endpoint: str | None, region: str, credentials: Credentials | None,
                 ca_bundle: Path | None, verify_tls: bool, addressing_style: str,
-                timeout: float, connections: int):
+                timeout: float, connections: int, sign_payload: bool = False):
     import boto3
     from botocore.config import Config
     keys = {}
@@ -150,7 +150,8 @@ def make_client(endpoint: str | None, region: str, credentials: Credentials | No
         config=Config(connect_timeout=timeout, read_timeout=timeout,
                       retries={"max_attempts": 2, "mode": "standard"},
                       max_pool_connections=connections,
-                      s3={"addressing_style": addressing_style}, **checksum_options()),
+                      s3={"addressing_style": addressing_style,
+                          "payload_signing_enabled": sign_payload}, **checksum_options()),
         **keys)
 
 
@@ -341,7 +342,7 @@ class S3Store:
             chunk_crcs: bytes | None = None) -> int:
         """Uploads the bytes with their CRC32Cs as metadata (per `chunk_size` chunk, computed
         here unless given, and whole); multipart with parallel parts above the threshold.
-        Returns the whole object's CRC32C."""
+        Returns the chunk CRCs."""
         size = sum(len(v) for v in views)
         if chunk_crcs is None:
             chunk_crcs = crcs.chunk_crcs(views, chunk_size)
@@ -353,7 +354,7 @@ class S3Store:
         if size <= self.multipart_threshold:
             self._call(f"put {key}", self.client.put_object, Key=key, Body=ChunkReader(views),
                        ContentLength=size, Metadata=meta)
-            return crc
+            return chunk_crcs
         upload = self._call(f"start upload {key}", self.client.create_multipart_upload,
                             Key=key, Metadata=meta)["UploadId"]
         try:
@@ -375,7 +376,7 @@ class S3Store:
             except (S3Error, Changed):
                 pass  # the server's incomplete-upload cleanup (lifecycle) takes it then
             raise
-        return crc
+        return chunk_crcs
 
     def get_into(self, key: str, obj: RemoteObject, views: list[memoryview], chunk_size: int,
                  on_chunk=None, opened: tuple[object, int] | None = None) -> bytes:

@@ -27,6 +27,7 @@ log = logging.getLogger("bluecached.tiers")
 WRITEBACK_STALL_S = 10  # a write waiting for write-behind re-checks at least this often
 WRITEBACK_QUIET_S = 0.02      # write-behind waits for this long a pause in foreground writes
 WRITEBACK_MAX_DEFER_S = 2.0   # ... but never longer than this per object
+KNOWN_CRCS_MAX = 65536        # chunk CRCs kept for write-behind (a bound, not a working size)
 
 
 @dataclass
@@ -55,13 +56,16 @@ class Counters:
     tmp_collected: int = 0
 
 
-def _crc_and_write(nvme: SegmentStore, extent, chunks: list, size: int) -> bytes:
-    """Worker thread: checksum each chunk, then write them all in one call."""
+def _crc_and_write(nvme: SegmentStore, extent, chunks: list, size: int,
+                   crcs: bytes | None = None) -> bytes:
+    """Worker thread: checksum each chunk (unless their CRCs are known), then write them all
+    in one call."""
     bufs = [c if c is not None else ZERO_CHUNK for c in chunks]
-    crcs = struct.pack(
-        f"<{len(bufs)}I",
-        *(crc32c.crc32c(memoryview(b)[: min(CHUNK_SIZE, size - i * CHUNK_SIZE)])
-          for i, b in enumerate(bufs)))
+    if crcs is None:
+        crcs = struct.pack(
+            f"<{len(bufs)}I",
+            *(crc32c.crc32c(memoryview(b)[: min(CHUNK_SIZE, size - i * CHUNK_SIZE)])
+              for i, b in enumerate(bufs)))
     nvme.write(extent, [memoryview(b) for b in bufs], size)
     nvme.sync()
     return crcs
@@ -104,6 +108,7 @@ class Tiers:
         self._space = trio.Event()       # set whenever chunks or extents were freed
         self._pressure = trio.Event()    # wakes the evictor
         self._last_write = -1e9
+        self._known_crcs: dict[int, tuple[int, bytes]] = {}   # ino -> (version, chunk CRCs)
 
     # -- journal ---------------------------------------------------------------------------
 
@@ -178,7 +183,17 @@ class Tiers:
         self.unpersist(node)
         self.free_extent(node)
 
+    def note_crcs(self, node: Inode, crcs: bytes) -> None:
+        """The chunk CRCs of the object's current content, computed elsewhere (an upload, a
+        checked fetch): write-behind uses them instead of a pass of its own."""
+        if self.nvme is None:
+            return
+        if len(self._known_crcs) >= KNOWN_CRCS_MAX:
+            self._known_crcs.clear()
+        self._known_crcs[node.ino] = (node.obj.version, crcs)
+
     def forget(self, node: Inode) -> None:
+        self._known_crcs.pop(node.ino, None)
         self.drop_dram(node)
         self.drop_nvme(node)
 
@@ -367,12 +382,14 @@ class Tiers:
                 log.warning("no NVMe space for inode %d (%d bytes): stays in DRAM",
                             node.ino, size)
                 return False
+        known = self._known_crcs.pop(node.ino, None)
+        known = known[1] if known is not None and known[0] == version else None
         self.pin(obj)
         try:
             crcs = b""
             if extent is not None:
                 crcs = await trio.to_thread.run_sync(
-                    _crc_and_write, self.nvme, extent, chunks, size)
+                    _crc_and_write, self.nvme, extent, chunks, size, known)
         except OSError as e:
             self.nvme.free(extent)
             self.stats.writeback_failures += 1
@@ -408,11 +425,13 @@ class Tiers:
     def note_foreground_write(self) -> None:
         self._last_write = trio.current_time()
 
-    async def _yield_to_writers(self) -> None:
-        """Write-behind is later by definition: while writes are arriving and DRAM has room,
-        it waits (bounded), so checksums and disk writes do not take the CPU a store needs."""
+    async def _yield_to_writers(self, obj: StoredObject) -> None:
+        """Write-behind is later by definition: while writes are arriving, or the object is
+        being uploaded to the remote tier, and DRAM has room, it waits (bounded), so checksums
+        and disk writes do not take the CPU a store or an upload needs."""
         waited = 0.0
-        while (trio.current_time() - self._last_write < WRITEBACK_QUIET_S
+        while ((trio.current_time() - self._last_write < WRITEBACK_QUIET_S
+                or obj.uploading is not None)
                and self.dram.used_bytes < self.dram_marks.low * self.dram.capacity
                and waited < WRITEBACK_MAX_DEFER_S):
             await trio.sleep(WRITEBACK_QUIET_S)
@@ -423,7 +442,7 @@ class Tiers:
             node.obj.queued = False
             if node.obj.writers or not node.obj.dirty:
                 continue  # queued again at its last release, or already written
-            await self._yield_to_writers()
+            await self._yield_to_writers(node.obj)
             async with node.obj.content_lock():
                 await self.writeback(node)
 

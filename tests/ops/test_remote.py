@@ -12,6 +12,7 @@ import pytest
 import trio
 
 from bluecached import config
+from bluecached.crc import chunk_crcs
 from bluecached.daemon import StartupError, build_remote
 from bluecached.namespace import ROOT_INO, FsError
 from bluecached.s3 import CHUNKS_META, CRC_META, SIZE_META, load_credentials, make_client
@@ -118,6 +119,10 @@ def test_block_written_on_one_host_is_found_and_read_on_another(harness, ceph, b
         # fetched blocks go down to B's NVMe and are not uploaded again
         await until(lambda: b.store.tiers.dirty_bytes == 0, "write-behind on B")
         assert b.store.tier_of(node) == "dram+nvme+remote"
+        # the CRCs checked on arrival (B) and computed for the upload (A) are what NVMe keeps
+        await until(lambda: a.store.tiers.dirty_bytes == 0, "write-behind on A")
+        for h in (a, b):
+            assert h.store.ns.resolve("/model/x/big.bin").obj.crcs == chunk_crcs([big], MiB)
         assert rb.stats.uploads == 0 and rb.queue_length() == 0
     a.check_consistency()
     b.check_consistency()
@@ -429,7 +434,7 @@ def test_remote_down_during_a_prefetch_leaves_a_miss_and_local_reads_go_on(harne
     a, b = harness(), harness()
     attach(a, ceph, bucket)
     rb = attach(b, ceph, bucket, prefetch=1, timeout="1s", retry_interval="1h")
-    data = pattern("far", 12 * MiB)   # more than the lookup's own GET asks for (8 MiB)
+    data = pattern("far", 20 * MiB)   # more than the lookup's own GET asks for (16 MiB here)
     local = pattern("near", 2 * MiB)
 
     @serving(a, b)
@@ -438,8 +443,8 @@ def test_remote_down_during_a_prefetch_leaves_a_miss_and_local_reads_go_on(harne
         await until(lambda: a.store.remote.stats.uploads == 1, "the upload")
         await b.put("/near.bin", local)
         node = await find_path(b, "/far.bin")
-        # the endpoint goes away between the lookup (whose GET brings the first 8 MiB) and the
-        # rest of the prefetch: connections are refused
+        # the endpoint goes away between the lookup (whose GET brings the first 16 MiB) and
+        # the rest of the prefetch: connections are refused
         rb.s3.client = make_client(dead_endpoint(), "us-east-1", load_credentials(bucket[1]),
                                    None, True, "path", 1, 4)
         await until(lambda: rb.stats.fetch_failures == 1, "the failed prefetch")
@@ -582,7 +587,7 @@ def test_a_lookup_with_a_prefetch_slot_free_gets_the_first_bytes_instead_of_a_he
         await until(lambda: a.store.remote.stats.uploads == len(files), "the uploads")
         await find_path(b, "/d")                     # (a GET that misses, and a LIST)
         opening = rb.stats.opening_gets
-        big = await find_path(b, "/d/big.bin")      # a GET of 8 MiB answers the lookup
+        big = await find_path(b, "/d/big.bin")      # a GET of 16 MiB answers the lookup
         assert rb.stats.opening_gets == opening + 1 and big.size == len(files["/d/big.bin"])
         small = await find_path(b, "/d/small.bin")  # the slot is busy: a HEAD, and queued
         assert rb.stats.opening_gets == opening + 1 and small.size == 999
@@ -602,3 +607,31 @@ def test_a_lookup_with_a_prefetch_slot_free_gets_the_first_bytes_instead_of_a_he
         assert rb._prefetching == 0 and rb._prefetching_bytes == 0   # every slot came back
     a.check_consistency()
     b.check_consistency()
+
+
+@pytest.mark.parametrize("sign", [False, True])
+def test_uploads_sign_their_payload_only_when_asked(harness, ceph, bucket, sign):
+    a, b = harness(), harness()
+    ra = attach(a, ceph, bucket, sign_payload=sign, multipart_threshold="5MiB",
+                part_size="5MiB")
+    attach(b, ceph, bucket)
+    seen = []
+    ra.s3.client.meta.events.register(
+        "before-send.s3", lambda request, **_: seen.append(
+            (request.method, request.headers.get("x-amz-content-sha256"))))
+    small, big = pattern("small", 3000), pattern("big", 11 * MiB)
+
+    @serving(a, b)
+    async def _():
+        await a.put("/small.bin", small)     # one PUT
+        await a.put("/big.bin", big)         # a multipart upload
+        await until(lambda: ra.stats.uploads == 2, "the uploads")
+        await find_path(b, "/small.bin")
+        await find_path(b, "/big.bin")
+        assert await b.get("/small.bin") == small and await b.get("/big.bin") == big
+    bodies = [h.decode() if isinstance(h, bytes) else h for m, h in seen if m == "PUT"]
+    assert len(bodies) == 4   # the small PUT and three parts
+    if sign:
+        assert all(len(h) == 64 and h != "UNSIGNED-PAYLOAD" for h in bodies), bodies
+    else:
+        assert set(bodies) == {"UNSIGNED-PAYLOAD"}
