@@ -308,12 +308,12 @@ its mount, against {p['raw_io_s']:.2f} s for the {p['blocks']} plain GETs alone:
 {baselines(results)}
 
 What the bluecached side does on top of the raw client: upload: the store through the
-protocol (DRAM), queueing, a CRC32C per 1 MiB chunk (the object's CRC derived from them), a
-multipart upload of 8 MiB parts, 4 at a time, read straight from the DRAM chunks; fetch: the
-lookup's GET of the first 8 MiB (no HEAD when a prefetch slot is free), parallel ranged GETs
-of the rest pinned to the ETag, each chunk's CRC32C checked as it arrives, the engine's copy
-of each checked run into the client's region while the rest still arrives. `json`: every
-sample.
+protocol (DRAM), queueing, a CRC32C per 1 MiB chunk (the object's CRC derived from them), one
+PUT (multipart above `multipart_threshold`, 64 MiB by default) read straight from the DRAM
+chunks, payload unsigned; fetch: the lookup's GET (no HEAD first when a prefetch slot is
+free) whose body becomes the prefetch, ranged GETs pinned to the ETag above the threshold,
+each chunk's CRC32C checked as it arrives, the engine's copy of each checked run into the
+client's region while the rest still arrives. `json`: every sample.
 
 ![remote tier](remote.png)
 
@@ -332,9 +332,8 @@ def main() -> int:
                     help="an earlier run's remote.json to list beside this one in the .md")
     ap.add_argument("--remote", action="append", default=[], metavar="KEY=VALUE",
                     help="extra remote: settings for both daemons, e.g. multipart_threshold=64MiB")
-    ap.add_argument("--set", action="append", default=["tiers.dram.prefault=true"],
-                    metavar="KEY=VALUE", help="other daemon settings for both daemons (default: "
-                    "tiers.dram.prefault=true, as on a DPU; tiers.dram.prefault=false undoes it)")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="other daemon settings for both daemons, e.g. tiers.dram.prefault=0")
     args = ap.parse_args()
     out = ROOT / "docs" / "benchmarks"
     if args.quick:

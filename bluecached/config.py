@@ -575,10 +575,11 @@ BLUECACHED = Schema("Config", (
     "tiers": Schema("TiersConfig", "Storage tiers, fastest first.", {
         "dram": Schema("DramConfig", "DRAM tier: the first stop for every write.", {
             "size": Field(as_size(minimum=1), "4GiB", "Memory reserved for cached chunks."),
-            "prefault": Field(as_flag(), False,
-                              "Map and touch the whole tier at start (in the background), so "
-                              "no request pays page faults for fresh memory; the memory is "
-                              "committed at once. Worth it on a DPU that runs only the cache."),
+            "prefault": Field(as_size(), "256MiB",
+                              "Free memory kept mapped and touched ahead of need (in the "
+                              "background), so requests do not pay page faults for fresh "
+                              "memory; it is committed on top of what the cache holds. The "
+                              "tier's whole size maps it all at start (a DPU); 0 turns it off."),
             **_watermarks(0.90, 0.75),
         }, check=_watermarks_ordered),
         "nvme": Schema("NvmeConfig", "NVMe tier: segment files on a local filesystem.", {

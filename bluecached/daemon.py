@@ -10,7 +10,6 @@ import logging
 import os
 import signal
 import sys
-import time
 from pathlib import Path
 
 import trio
@@ -19,7 +18,7 @@ import zmq
 from . import __version__, config, curve, local_transport, metrics, protocol
 from .dma import EngineUnavailable, RegionTable, make_engine
 from .dma.loopback import serve_regions
-from .dram import CHUNK_SIZE, DramPool, populated_chunks
+from .dram import DramPool, map_ahead
 from .journal import Journal, JournalError
 from .notify import Notifier
 from .nvme import SegmentStore
@@ -30,18 +29,6 @@ from .verify import Verifier
 from .zmqpump import SocketPump
 
 log = logging.getLogger("bluecached")
-
-PREFAULT_BATCH = 64   # chunks mapped per worker-thread call while prefaulting
-
-
-async def prefault(pool: DramPool) -> None:
-    """Maps the DRAM tier ahead of need, a batch at a time, beside the running service."""
-    started, total = time.monotonic(), pool.missing_chunks()
-    while (missing := pool.missing_chunks()) > 0:
-        pool.add_free(await trio.to_thread.run_sync(populated_chunks,
-                                                    min(PREFAULT_BATCH, missing)))
-    log.info("DRAM tier prefaulted: %d MiB in %.1f s", total * CHUNK_SIZE >> 20,
-             time.monotonic() - started)
 DEFAULT_CONFIG = Path("/etc/bluecache/bluecached.yaml")
 WRITEBACK_WORKERS = 2
 
@@ -290,7 +277,7 @@ class Daemon:
             services.start_soon(tiers.writeback_worker)
         services.start_soon(tiers.evictor)
         if cfg.tiers.dram.prefault:
-            services.start_soon(prefault, tiers.dram)
+            services.start_soon(map_ahead, tiers.dram, cfg.tiers.dram.prefault)
         if self.store.remote is not None:
             await services.start(self.store.remote.run)
             self.store.remote.admit_persisted()

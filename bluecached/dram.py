@@ -8,6 +8,8 @@ cache does not pay mmap + page faults for every object.
 
 import mmap
 
+import trio
+
 CHUNK_SIZE = 1 << 20
 
 
@@ -18,6 +20,7 @@ class DramPool:
         self._in_use = 0
         # Told before a chunk is unmapped (a DMA engine may hold a registration on it).
         self.before_unmap = None
+        self._taken = trio.Event()   # set by take(): map_ahead tops the free list up
 
     @property
     def used_bytes(self) -> int:
@@ -35,6 +38,7 @@ class DramPool:
         if self._in_use >= self.capacity // CHUNK_SIZE:
             return None
         self._in_use += 1
+        self._taken.set()
         if self._free:
             chunk = self._free.pop()
             if zero:
@@ -47,7 +51,7 @@ class DramPool:
         return self.capacity // CHUNK_SIZE - self._in_use - len(self._free)
 
     def add_free(self, chunks: list[mmap.mmap]) -> None:
-        """Chunks mapped ahead of need (prefault): kept up to the capacity."""
+        """Chunks mapped ahead of need (map_ahead): kept up to the capacity."""
         for chunk in chunks:
             if self.missing_chunks() > 0:
                 self._free.append(chunk)
@@ -74,6 +78,21 @@ class DramPool:
 
 _ZEROS = bytes(CHUNK_SIZE)
 _POPULATE = getattr(mmap, "MAP_POPULATE", 0)
+MAP_AHEAD_BATCH = 64   # chunks mapped per worker-thread call
+
+
+async def map_ahead(pool: DramPool, ahead_bytes: int) -> None:
+    """Keeps at least `ahead_bytes` of chunks mapped and touched in the free list (freed
+    chunks count: they are warm), mapping more in a worker thread whenever takes shrink it,
+    so that no request pays the page faults of fresh memory. Memory committed: what is in use
+    plus that much; `ahead_bytes` >= the capacity maps the whole tier at once."""
+    ahead = ahead_bytes // CHUNK_SIZE
+    while True:
+        pool._taken = trio.Event()
+        while (missing := min(pool.missing_chunks(), ahead - len(pool._free))) > 0:
+            pool.add_free(await trio.to_thread.run_sync(populated_chunks,
+                                                        min(MAP_AHEAD_BATCH, missing)))
+        await pool._taken.wait()
 
 
 def populated_chunks(count: int) -> list[mmap.mmap]:

@@ -230,22 +230,48 @@ def test_unlinked_files_held_only_by_the_kernel_do_not_wedge_writes(harness):
     h.check_consistency()
 
 
-def test_prefault_maps_the_whole_tier_once_and_writes_use_those_chunks(harness):
-    from bluecached.daemon import prefault
-    from bluecached.dram import populated_chunks
+def test_memory_is_mapped_ahead_of_writes_and_never_past_the_capacity(harness):
+    from bluecached.dram import map_ahead
+    h = harness(dram=16 * MiB)
+    pool = h.store.tiers.dram
+
+    def mapped() -> int:
+        return pool.used_bytes // MiB + len(pool._free)
+
+    async def settled(expected: int) -> None:
+        with trio.fail_after(10):
+            while mapped() != expected:
+                await trio.sleep(0.005)
+
+    async def main():
+        await h.put("/early", pattern("early", 3 * MiB))   # mapped on demand: nothing ahead
+        assert mapped() == 3
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(map_ahead, pool, 4 * MiB)
+            await settled(3 + 4)
+            ready = {id(c) for c in pool._free}
+            await h.put("/later", pattern("later", 2 * MiB))   # takes chunks mapped ahead
+            assert {id(c) for c in h.store.ns.resolve("/later").obj.chunks} <= ready
+            await settled(5 + 4)                                # and the free list is topped up
+            await h.put("/big", pattern("big", 7 * MiB))   # 12 in use + 4 ahead
+            await settled(16)                                   # = the capacity
+            nursery.cancel_scope.cancel()
+        for name, size in (("early", 3), ("later", 2), ("big", 7)):
+            assert await h.get(f"/{name}") == pattern(name, size * MiB)
+    h.serve(main)
+    h.check_consistency()
+
+
+def test_the_whole_tier_can_be_mapped_at_start(harness):
+    from bluecached.dram import map_ahead
     h = harness(dram=16 * MiB)
     pool = h.store.tiers.dram
 
     async def main():
-        await h.put("/early", pattern("early", 3 * MiB))   # 3 chunks mapped on demand
-        assert pool.missing_chunks() == 13
-        await prefault(pool)
-        assert pool.missing_chunks() == 0 and pool.used_bytes == 3 * MiB
-        free = {id(c) for c in pool._free}
-        await h.put("/later", pattern("later", 2 * MiB))
-        assert {id(c) for c in h.store.ns.resolve("/later").obj.chunks} <= free
-        pool.add_free(populated_chunks(1))   # nothing more is kept past the capacity
-        assert pool.missing_chunks() == 0 and len(pool._free) == 11
-        assert await h.get("/early") == pattern("early", 3 * MiB)
+        with trio.move_on_after(5):
+            await map_ahead(pool, 1 << 40)   # maps everything, then waits for takes
+        assert pool.missing_chunks() == 0 and len(pool._free) == 16
+        await h.put("/f", pattern("f", 5 * MiB))
+        assert await h.get("/f") == pattern("f", 5 * MiB)
     h.serve(main)
     h.check_consistency()
