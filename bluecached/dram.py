@@ -79,22 +79,29 @@ class DramPool:
 _ZEROS = bytes(CHUNK_SIZE)
 _POPULATE = getattr(mmap, "MAP_POPULATE", 0)
 MAP_AHEAD_BATCH = 64   # chunks mapped per worker-thread call
+MAP_AHEAD_QUIET_S = 0.05   # a pause in takes this long lets map_ahead top the free list up
 
 
 async def map_ahead(pool: DramPool, ahead_bytes: int) -> None:
     """Keeps at least `ahead_bytes` of chunks mapped and touched in the free list (freed
-    chunks count: they are warm), mapping more in a worker thread whenever takes shrink it,
-    so that no request pays the page faults of fresh memory. Memory committed: what is in use
-    plus that much; `ahead_bytes` >= the capacity maps the whole tier at once."""
+    chunks count: they are warm), so that no request pays the page faults of fresh memory.
+    It tops the list up in a worker thread once takes pause for MAP_AHEAD_QUIET_S: mapping
+    costs the CPU the kernel spends zeroing pages, which a burst of writes needs more.
+    Memory committed: what is in use plus that much; `ahead_bytes` >= the capacity maps the
+    whole tier at once."""
     ahead = ahead_bytes // CHUNK_SIZE
     while True:
-        pool._taken = trio.Event()
         while (missing := min(pool.missing_chunks(), ahead - len(pool._free))) > 0:
             pool.add_free(await trio.to_thread.run_sync(populated_chunks,
                                                         min(MAP_AHEAD_BATCH, missing)))
+        pool._taken = trio.Event()
         await pool._taken.wait()
-
-
+        while True:   # until takes pause
+            pool._taken = trio.Event()
+            with trio.move_on_after(MAP_AHEAD_QUIET_S):
+                await pool._taken.wait()
+                continue
+            break
 def populated_chunks(count: int) -> list[mmap.mmap]:
     """Chunks whose pages the kernel has already supplied (blocking: a worker thread's job):
     a first write to a fresh chunk otherwise takes 256 page faults on the request's path."""
