@@ -17,6 +17,7 @@ from __future__ import annotations
 import base64
 import binascii
 import configparser
+import http.client
 import io
 import stat
 import struct
@@ -417,14 +418,14 @@ class S3Store:
                 kw["Range"] = f"bytes={offset}-{end - 1}"
             if body is None:
                 body = self._call(f"get {key}", self.client.get_object, **kw)["Body"]
+            readinto, release = _direct_reader(body)
             try:
                 for i in range(first, last):
                     if stop:
                         return
                     dest, filled = views[i], 0
                     while filled < len(dest):
-                        n = body.readinto(dest[filled:]) if hasattr(body, "readinto") else \
-                            _read_into(body, dest[filled:])
+                        n = readinto(dest[filled:])
                         if not n:
                             raise Changed(f"get {key}: short body at chunk {i}")
                         filled += n
@@ -435,7 +436,8 @@ class S3Store:
                                                    f"not {expected[i]:08x}")
                         if on_chunk is not None:
                             on_chunk(i)
-            except OSError as e:
+                release()
+            except (OSError, http.client.HTTPException) as e:
                 raise S3Error(f"get {key}: {e}", unreachable=True) from None
             finally:
                 body.close()
@@ -467,10 +469,29 @@ class S3Store:
         return packed
 
 
-def _read_into(body, dest: memoryview) -> int:
-    data = body.read(len(dest))
-    dest[:len(data)] = data
-    return len(data)
+def _direct_reader(body):
+    """(readinto, release) for a GET's body. botocore's readinto goes through urllib3's, which
+    reads into a new bytes object and copies it (with http.client's own copy, three copies of
+    every byte and a fresh 1 MiB buffer per call); the http.client response underneath reads
+    from the socket straight into the destination. `release` hands the connection back to
+    urllib3's pool once the body was read that way (closing it otherwise drops the
+    connection). Anything not shaped as expected (other versions) gets the public path."""
+    stream = getattr(body, "_raw_stream", None)
+    fp = getattr(stream, "_fp", None)
+    if (isinstance(fp, http.client.HTTPResponse) and hasattr(stream, "release_conn")
+            and not getattr(stream, "decode_content", False)):
+        def release() -> None:
+            if fp.isclosed():   # read to its end: the connection is clean
+                stream.release_conn()
+        return fp.readinto, release
+    if hasattr(body, "readinto"):
+        return body.readinto, lambda: None
+
+    def read_into(dest: memoryview) -> int:
+        data = body.read(len(dest))
+        dest[:len(data)] = data
+        return len(data)
+    return read_into, lambda: None
 
 
 def fsdecode_key(path: bytes) -> str | None:
