@@ -635,3 +635,25 @@ def test_uploads_sign_their_payload_only_when_asked(harness, ceph, bucket, sign)
         assert all(len(h) == 64 and h != "UNSIGNED-PAYLOAD" for h in bodies), bodies
     else:
         assert set(bodies) == {"UNSIGNED-PAYLOAD"}
+
+
+def test_fetches_hand_their_connection_back_to_the_pool(harness, ceph, bucket):
+    # A fetch reads the socket under urllib3 itself (bluecached/s3.py, _direct_reader); a
+    # connection not handed back would cost every GET a new TCP connection.
+    a, b = harness(), harness()
+    attach(a, ceph, bucket)
+    rb = attach(b, ceph, bucket, prefetch=0)
+    blocks = {f"/c{i}.bin": pattern(f"c{i}", 3 * MiB + i) for i in range(6)}
+
+    @serving(a, b)
+    async def _():
+        for path, data in blocks.items():
+            await a.put(path, data)
+        await until(lambda: a.store.remote.stats.uploads == len(blocks), "the uploads")
+        for path, data in blocks.items():
+            await find_path(b, path)
+            assert await b.get(path) == data
+    pool = rb.s3.client._endpoint.http_session._manager.connection_from_url(ceph.endpoint)
+    assert rb.stats.fetches == len(blocks)
+    assert pool.num_requests >= 2 * len(blocks) and pool.num_connections <= 3, \
+        (pool.num_requests, pool.num_connections)
