@@ -50,6 +50,7 @@ OPS: dict[str, tuple[dict, dict]] = {
     "flush": ({"fh": U64}, {}),
     "release": ({"fh": U64}, {}),
     "unlink": (_PARENT_NAME, {}),
+    "discard": ({"ino": U64}, {}),
     "rmdir": (_PARENT_NAME, {}),
     "rename": ({**_PARENT_NAME, "new_parent": U64, "new_name": BYTES}, {"flags": U32}),
     "readdir": ({"ino": U64, "offset": U64}, {"limit": U32}),

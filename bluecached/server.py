@@ -250,6 +250,10 @@ class ControlServer:
         self.store.unlink(parent, name)
         return {}
 
+    async def op_discard(self, session, ino) -> dict:
+        self.store.discard(ino)
+        return {}
+
     async def op_rmdir(self, session, parent, name) -> dict:
         self.store.rmdir(parent, name)
         return {}

@@ -546,6 +546,14 @@ class Store:
             self.remote.forget_copy(node, key)
         self._unlinked(node)
 
+    def discard(self, ino: int) -> None:
+        """A client lost bytes it had accepted for this file (a write it acknowledged early
+        failed here): the file goes, so no reader gets it without them. Idempotent."""
+        node = self.ns.inodes.get(ino)
+        if node is None or node.is_dir or node.parent is None:
+            return
+        self.remove_object(node, "a write to it failed after the writer was answered")
+
     def rmdir(self, parent: int, name: bytes) -> None:
         node = self.ns.rmdir(parent, name)
         self.tiers.log(index.drop_record(node.ino))

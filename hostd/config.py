@@ -68,6 +68,12 @@ HOSTD = Schema("HostdConfig", (
         "allow_other": Field(_as_bool, True,
                              "Let other users (vLLM often runs as its own user) use the mount; "
                              "permissions are still checked (default_permissions)."),
+        "write_ack": Field(as_choice("staged", "stored"), "staged",
+                           "When a write is answered: staged (its bytes are in hostd's staging "
+                           "slot; the daemon call goes on in the background, a failure is "
+                           "reported at close and the file dropped) or stored (once the "
+                           "daemon has it; one daemon round trip per 1 MiB on the writer's "
+                           "path)."),
         "staging_slots": Field(as_count(minimum=64, maximum=4096), 128,
                                "1 MiB staging buffers shared with the DMA engine: how many POSIX "
                                "requests can be in flight at once (at least 64)."),

@@ -91,7 +91,7 @@ async def run(cfg, path: Path | None, notifier) -> None:
     else:
         client = AsyncClient(control, keys, client_name=name)
     link = DaemonLink(client, regions, cfg.mount.staging_slots, cfg.daemon.request_timeout,
-                      cfg.doca)
+                      cfg.doca, ack_staged=cfg.mount.write_ack == "staged")
     ops = Operations(link, Timeouts(cfg.mount.entry_timeout, cfg.mount.attr_timeout,
                                     cfg.mount.negative_timeout))
     link.on_restart = ops.forget_everything
@@ -107,6 +107,7 @@ async def run(cfg, path: Path | None, notifier) -> None:
                 raise StartupError(str(e)) from None
             nursery.start_soon(link.watch)
             nursery.start_soon(link.forward_releases)
+            await nursery.start(link.send_writes)
             nursery.start_soon(_follow_events, events, keys, ops)
             try:
                 await trio.to_thread.run_sync(_prepare_mountpoint, mountpoint)

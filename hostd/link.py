@@ -3,7 +3,10 @@
 POSIX bytes go through staging slots: 1 MiB pieces of one sealed memfd registered with the
 daemon's DMA engine. A write copies the request into a slot (the one copy hostd makes, counted
 in `bytes_copied`) and asks the daemon to pull it; a read asks the daemon to push into a slot
-and hands the slot to the kernel.
+and hands the slot to the kernel. With `mount.write_ack: staged` a write is answered once it
+is in its slot and the daemon call goes on in the background (hostd/inflight.py says what
+waits for it); a write that then fails is reported at flush (close) and the daemon drops the
+file, so no reader gets the bytes it is missing.
 
 The daemon may restart under us. A health task notices (a failed ping, or a request answered
 "say hello first"), wakes every waiting request, and reconnects: new handshake, staging
@@ -25,6 +28,7 @@ from bluecached.client import AsyncClient, RegionChannel, RemoteError, SharedReg
 from fusefs.cache import Attr
 
 from .doca_export import DocaSetupError, HostExporter
+from .inflight import WritesInFlight
 
 log = logging.getLogger("hostd.link")
 
@@ -34,7 +38,7 @@ PING_INTERVAL = 1.0
 _READ_TAKES_BUFFER = tuple(int(x) for x in pyfuse3.__version__.split(".")[:2]) >= (3, 3)
 
 _IDEMPOTENT = {"lookup", "getattr", "read", "write", "readdir", "statfs", "open", "flush",
-               "ping", "forget"}
+               "ping", "forget", "discard"}
 
 
 class Staging:
@@ -65,11 +69,12 @@ class OpenFile:
     flags: int
     daemon_fh: int
     generation: int
+    error: RemoteError | None = None   # a write answered early that then failed
 
 
 class DaemonLink:
     def __init__(self, client: AsyncClient, regions_path: str | None, slots: int,
-                 request_timeout: float, doca_settings=None):
+                 request_timeout: float, doca_settings=None, ack_staged: bool = False):
         self.client = client
         self.regions_path = regions_path
         self.doca_settings = doca_settings   # hostd.yaml's doca section
@@ -91,6 +96,9 @@ class DaemonLink:
         # RELEASE is answered at once and forwarded by a task: close(2) returned long ago,
         # and an answer still owed when the mount goes away would be an error in the log.
         self._releases_send, self._releases = trio.open_memory_channel(float("inf"))
+        self.ack_staged = ack_staged
+        self.inflight = WritesInFlight()
+        self._writes: trio.Nursery | None = None   # background write calls (send_writes)
 
     # -- connection ------------------------------------------------------------------------
 
@@ -236,12 +244,17 @@ class DaemonLink:
     # -- the fusefs Cache interface --------------------------------------------------------
 
     async def lookup(self, parent, name) -> Attr:
-        return Attr.from_wire(await self.call("lookup", parent=parent, name=name))
+        attr = Attr.from_wire(await self.call("lookup", parent=parent, name=name))
+        if self.inflight.pending(attr.ino):   # its size may not count writes answered early
+            return await self.getattr(attr.ino)
+        return attr
 
     async def getattr(self, ino) -> Attr:
+        await self.inflight.settled(ino)
         return Attr.from_wire(await self.call("getattr", ino=ino))
 
     async def setattr(self, ino, **changes) -> Attr:
+        await self.inflight.settled(ino)
         return Attr.from_wire(await self.call("setattr", ino=ino, **changes))
 
     async def mkdir(self, parent, name, mode, uid, gid) -> Attr:
@@ -255,10 +268,14 @@ class DaemonLink:
         return self._add_file(attr.ino, flags, r["fh"]), attr
 
     async def open(self, ino, flags):
+        await self.inflight.settled(ino)
         r = await self.call("open", ino=ino, flags=flags)
         return self._add_file(ino, flags, r["fh"]), Attr.from_wire(r["attr"])
 
     async def read(self, fh, offset, size):
+        f = self._files.get(fh)
+        if f is not None and self.inflight.pending(f.ino):
+            await self.inflight.settled(f.ino)
         out = bytearray() if size > SLOT_SIZE else None
         while True:
             piece = min(size, SLOT_SIZE)
@@ -285,6 +302,8 @@ class DaemonLink:
                 return bytes(out)
 
     async def write(self, fh, offset, data) -> int:
+        if self.ack_staged and self._writes is not None:
+            return await self._write_staged(fh, offset, memoryview(data))
         data = memoryview(data)
         done = 0
         while done < len(data):
@@ -301,12 +320,63 @@ class DaemonLink:
             done += len(piece)
         return done
 
+    async def send_writes(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        """Runs the daemon calls of writes answered once staged."""
+        async with trio.open_nursery() as nursery:
+            self._writes = nursery
+            task_status.started()
+            await trio.sleep_forever()
+
+    async def _write_staged(self, fh, offset, data: memoryview) -> int:
+        f = self._files.get(fh)
+        if f is None:
+            raise RemoteError(errno.EBADF, f"no open file {fh}")
+        if f.error is not None:
+            raise RemoteError(f.error.errno, str(f.error))
+        await self.inflight.no_overlap(f.ino, offset, offset + len(data))
+        done = 0
+        while done < len(data):
+            piece = data[done:done + SLOT_SIZE]
+            slot = await self.staging.take()   # the bound on writes in flight
+            self.staging.view(slot, len(piece))[:] = piece
+            self.bytes_copied += len(piece)
+            start = offset + done
+            seq = self.inflight.add(f.ino, start, start + len(piece))
+            self._writes.start_soon(self._send_write, fh, f, seq, slot, start, len(piece))
+            done += len(piece)
+        return done
+
+    async def _send_write(self, fh, f: OpenFile, seq: int, slot: int, offset: int,
+                          length: int) -> None:
+        try:
+            await self.call("write", host_fh=fh, offset=offset, length=length,
+                            region=self.staging.region_id, region_offset=slot * SLOT_SIZE)
+        except RemoteError as e:
+            if f.error is None:   # the first failure of this file: drop it, once
+                f.error = e
+                log.warning("write to inode %d failed after it was answered (%s): the file "
+                            "is dropped, its close reports the error", f.ino, e)
+                try:   # before `done`: whatever waits for this write then sees the file gone
+                    await self.call("discard", ino=f.ino)
+                except RemoteError as e2:   # a daemon that is gone took the file with it
+                    log.info("could not drop inode %d: %s", f.ino, e2)
+        finally:
+            self.staging.give(slot)
+            self.inflight.done(f.ino, seq)
+
     async def flush(self, fh) -> None:
+        f = self._files.get(fh)
+        if f is not None:
+            await self.inflight.settled(f.ino)
+            if f.error is not None:
+                raise RemoteError(f.error.errno, str(f.error))
         await self.call("flush", host_fh=fh)
 
     async def release(self, fh) -> None:
-        f = self._files.pop(fh, None)
+        f = self._files.get(fh)
         if f is not None:
+            await self.inflight.settled(f.ino)   # their calls name this handle
+            del self._files[fh]
             self._releases_send.send_nowait(f)
 
     async def forward_releases(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
@@ -326,10 +396,14 @@ class DaemonLink:
         await self.call("rmdir", parent=parent, name=name)
 
     async def rename(self, parent, name, new_parent, new_name, flags) -> None:
+        # llm-d renames its file while it is still open: the new name must not show it
+        # before every write answered earlier has landed (or failed and dropped the file)
+        await self.inflight.earlier_done()
         await self.call("rename", parent=parent, name=name, new_parent=new_parent,
                         new_name=new_name, flags=flags)
 
     async def readdir(self, ino, offset, limit):
+        await self.inflight.earlier_done()   # entries carry sizes
         r = await self.call("readdir", ino=ino, offset=offset, limit=limit)
         return [(name, Attr.from_wire(attr), cookie) for name, attr, cookie in r["entries"]]
 

@@ -11,7 +11,8 @@ import pytest
 from connectors import block_name, llmd_read, llmd_write
 from support import HostdProcess, MiB, is_mounted, pattern, wait_settled
 
-DAEMON_GONE = ["lost bluecached", "-> EIO", "index: ", "not delivered"]
+DAEMON_GONE = ["lost bluecached", "-> EIO", "index: ", "not delivered",
+               "failed after it was answered"]
 
 
 def test_sigkill_bluecached_under_writers_then_recover(mounted):

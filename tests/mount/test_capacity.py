@@ -1,6 +1,7 @@
 """More written than the cache holds: writes keep succeeding, evicted files vanish from the
 mount (the kernel's caches are invalidated), present files read back exactly."""
 
+import errno
 import os
 import time
 
@@ -60,3 +61,39 @@ def test_statfs_tracks_usage_and_atime_moves_on_read(mounted):
     while os.statvfs(root).f_bfree != before.f_bfree and time.monotonic() < deadline:
         time.sleep(0.05)
     assert os.statvfs(root).f_bfree == before.f_bfree
+
+
+def test_a_write_that_fails_after_it_was_answered_is_reported_at_close_and_drops_the_file(
+        mounted):
+    # Writes are answered once staged (mount.write_ack: staged). With DRAM held by an open
+    # file and no NVMe to evict to, the daemon refuses the second file's bytes (ENOSPC) after
+    # hostd answered them: the writer must hear of it by close, and the name must not show.
+    s = mounted(allow_log=["failed after it was answered", "no room"],
+                **{"tiers.dram.size": "8MiB", "tiers.nvme.size": 0})
+    root = str(s.mnt)
+    held = os.open(os.path.join(root, "held"), os.O_WRONLY | os.O_CREAT, 0o644)
+    try:
+        os.write(held, pattern("held", 6 * MiB))
+        fd = os.open(os.path.join(root, "late.tmp"), os.O_WRONLY | os.O_CREAT, 0o644)
+        errors = []
+        try:
+            os.write(fd, pattern("late", 6 * MiB))
+        except OSError as e:
+            errors.append(e.errno)
+        try:
+            os.rename(os.path.join(root, "late.tmp"), os.path.join(root, "late"))
+        except OSError as e:
+            errors.append(e.errno)
+        try:
+            os.close(fd)
+        except OSError as e:
+            errors.append(e.errno)
+        # the write (if it came back before the writer's next call) or the close says why; the
+        # rename finds the file already dropped
+        assert errno.ENOSPC in errors and set(errors) <= {errno.ENOSPC, errno.ENOENT}, errors
+        assert not os.path.exists(os.path.join(root, "late"))       # never partial bytes
+        assert not os.path.exists(os.path.join(root, "late.tmp"))
+    finally:
+        os.close(held)
+    with open(os.path.join(root, "held"), "rb") as f:
+        assert f.read() == pattern("held", 6 * MiB)
