@@ -16,6 +16,14 @@ import crc32c
 POLY = 0x82F63B78   # CRC32C (Castagnoli), bit-reflected
 
 
+def crc_of(views) -> int:
+    """CRC32C of the bytes in `views`, in order."""
+    crc = 0
+    for v in views:
+        crc = crc32c.crc32c(v, crc)
+    return crc
+
+
 def chunk_crcs(views, chunk_size: int) -> bytes:
     """Packed little-endian u32 CRC32C of each `chunk_size` piece of the bytes in `views` (the
     last piece may be shorter). Views may be of any lengths."""

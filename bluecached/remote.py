@@ -274,10 +274,11 @@ class RemoteTier(RemoteFetching):
         if opening:
             self.stats.opening_gets += 1
             self._prefetching += 1    # the slot is this lookup's until it knows the size
-            head = functools.partial(self._open_object, length=opening)
+            head = functools.partial(self.s3.open_object, length=opening)
         else:
             head = self.s3.head
-        opened, info, is_dir = None, None, False
+        opened = None     # (body, bytes in it) of the lookup's GET, until a prefetch takes it
+        slot_taken = False
         try:
             try:
                 if listed is True:
@@ -316,17 +317,16 @@ class RemoteTier(RemoteFetching):
             node = store.add_placeholder(parent, name, info)
             self._placeholders[node.ino] = (node, trio.current_time(), key)
             if opened is not None:
-                opened = self._prefetch_opened(node, opened)   # None: it took the body
+                slot_taken = self._prefetch_opened(node, opened)
             else:
                 self._want_prefetch(node)
             return node
         finally:
-            if opening:
+            if opening and not slot_taken:   # no prefetch after all: drop the answer
                 if opened is not None and opened[0] is not None:
-                    opened[0].close()   # not taken (no prefetch after all): drop the answer
-                if opened is not None or info is None or is_dir:
-                    self._prefetching -= 1
-                    self._wake_prefetcher()
+                    opened[0].close()
+                self._prefetching -= 1
+                self._wake_prefetcher()
 
     def _note_file_dir(self, parent: int) -> None:
         if len(self._file_dirs) >= NEGATIVE_CACHE_MAX:

@@ -52,25 +52,21 @@ class RemoteFetching:
         length = max(self.s3.part_size, self.s3.multipart_threshold)
         return max(CHUNK_SIZE, length // CHUNK_SIZE * CHUNK_SIZE)
 
-    def _open_object(self, key: str, length: int):
-        """open_object as a lookup's request: what it says of the object, with its body."""
-        return self.s3.open_object(key, length)
-
-    def _prefetch_opened(self, node: Inode, opened: tuple) -> tuple | None:
+    def _prefetch_opened(self, node: Inode, opened: tuple) -> bool:
         """A lookup's GET found the file: its body becomes the start of a prefetch, within
-        the bounds a queued one has. Returns `opened` if it was not taken."""
+        the bounds a queued one has. True if the prefetch took the body and the slot."""
         size = node.size
         if self.unread_bytes() + size > self.prefetch_budget():
             self._want_prefetch(node)   # waits for room in the queue, HEAD-style
-            return opened
+            return False
         chunks = self.store.tiers.try_take_chunks(chunk_count(size))
         if chunks is None:   # DRAM pressure: leave it to the reader
             self.stats.prefetches_dropped += 1
-            return opened
+            return False
         self._prefetching_bytes += size
         node.obj.arrival = Arrival(chunk_count(size))
         self._nursery.start_soon(self._fetch_task, node, node.obj.arrival, chunks, True, opened)
-        return None
+        return True
 
     # -- fetching a placeholder's bytes ----------------------------------------------------
 

@@ -11,10 +11,9 @@ import stat
 import time
 from dataclasses import dataclass
 
-import crc32c
 import trio
 
-from . import index
+from . import crc, index
 from .dram import CHUNK_SIZE
 from .namespace import ROOT_INO, FsError, Inode, Namespace
 from .objects import StoredObject, chunk_count, views
@@ -32,13 +31,6 @@ class Handle:
     node: Inode
     writable: bool
     session: int
-
-
-def _crc_of(parts) -> int:
-    crc = 0
-    for part in parts:
-        crc = crc32c.crc32c(part, crc)
-    return crc
 
 
 def _writable(flags: int) -> bool:
@@ -489,7 +481,7 @@ class Store:
                 await self._load(node)
             self.tiers.pin(obj)
         try:
-            return await trio.to_thread.run_sync(_crc_of, views(obj.chunks, 0, node.size)), node
+            return await trio.to_thread.run_sync(crc.crc_of, views(obj.chunks, 0, node.size)), node
         finally:
             self.tiers.unpin(obj)
 

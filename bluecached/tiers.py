@@ -8,14 +8,13 @@ Removing an object from the namespace is the store's business: the tiers ask it 
 
 import errno
 import logging
-import struct
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import crc32c
 import trio
 
-from . import index
+from . import crc, index
 from .dram import CHUNK_SIZE, DramPool
 from .journal import Journal
 from .namespace import FsError, Inode
@@ -62,10 +61,8 @@ def _crc_and_write(nvme: SegmentStore, extent, chunks: list, size: int,
     in one call."""
     bufs = [c if c is not None else ZERO_CHUNK for c in chunks]
     if crcs is None:
-        crcs = struct.pack(
-            f"<{len(bufs)}I",
-            *(crc32c.crc32c(memoryview(b)[: min(CHUNK_SIZE, size - i * CHUNK_SIZE)])
-              for i, b in enumerate(bufs)))
+        crcs = crc.chunk_crcs([memoryview(b)[: min(CHUNK_SIZE, size - i * CHUNK_SIZE)]
+                               for i, b in enumerate(bufs)], CHUNK_SIZE)
     nvme.write(extent, [memoryview(b) for b in bufs], size)
     nvme.sync()
     return crcs
@@ -75,7 +72,7 @@ def _read_and_verify(nvme: SegmentStore, extent, chunks: list, size: int, crcs: 
     """Worker thread: read the extent into chunks; returns the index of the first chunk whose
     CRC32C does not match, or -1."""
     nvme.read(extent, [memoryview(c) for c in chunks], size)
-    expected = struct.unpack(f"<{len(chunks)}I", crcs) if len(crcs) == 4 * len(chunks) else None
+    expected = crc.unpack(crcs) if len(crcs) == 4 * len(chunks) else None
     if expected is None:
         return 0
     for i, chunk in enumerate(chunks):

@@ -274,7 +274,7 @@ class DaemonLink:
 
     async def read(self, fh, offset, size):
         f = self._files.get(fh)
-        if f is not None and self.inflight.pending(f.ino):
+        if f is not None:
             await self.inflight.settled(f.ino)
         out = bytearray() if size > SLOT_SIZE else None
         while True:
@@ -302,23 +302,37 @@ class DaemonLink:
                 return bytes(out)
 
     async def write(self, fh, offset, data) -> int:
-        if self.ack_staged and self._writes is not None:
-            return await self._write_staged(fh, offset, memoryview(data))
         data = memoryview(data)
+        f = self._files.get(fh)
+        staged = self.ack_staged and self._writes is not None and f is not None
+        if staged:
+            if f.error is not None:
+                raise RemoteError(f.error.errno, str(f.error))
+            await self.inflight.no_overlap(f.ino, offset, offset + len(data))
         done = 0
         while done < len(data):
             piece = data[done:done + SLOT_SIZE]
-            slot = await self.staging.take()
+            start = offset + done
+            slot = await self.staging.take()   # staged: also the bound on writes in flight
             try:
                 self.staging.view(slot, len(piece))[:] = piece
                 self.bytes_copied += len(piece)
-                await self.call("write", host_fh=fh, offset=offset + done,
-                                length=len(piece), region=self.staging.region_id,
-                                region_offset=slot * SLOT_SIZE)
+                if staged:
+                    seq = self.inflight.add(f.ino, start, start + len(piece))
+                    self._writes.start_soon(self._send_write, fh, f, seq, slot, start,
+                                            len(piece))
+                    slot = None   # _send_write gives it back
+                else:
+                    await self._write_slot(fh, slot, start, len(piece))
             finally:
-                self.staging.give(slot)
+                if slot is not None:
+                    self.staging.give(slot)
             done += len(piece)
         return done
+
+    async def _write_slot(self, fh, slot: int, offset: int, length: int) -> None:
+        await self.call("write", host_fh=fh, offset=offset, length=length,
+                        region=self.staging.region_id, region_offset=slot * SLOT_SIZE)
 
     async def send_writes(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         """Runs the daemon calls of writes answered once staged."""
@@ -327,30 +341,10 @@ class DaemonLink:
             task_status.started()
             await trio.sleep_forever()
 
-    async def _write_staged(self, fh, offset, data: memoryview) -> int:
-        f = self._files.get(fh)
-        if f is None:
-            raise RemoteError(errno.EBADF, f"no open file {fh}")
-        if f.error is not None:
-            raise RemoteError(f.error.errno, str(f.error))
-        await self.inflight.no_overlap(f.ino, offset, offset + len(data))
-        done = 0
-        while done < len(data):
-            piece = data[done:done + SLOT_SIZE]
-            slot = await self.staging.take()   # the bound on writes in flight
-            self.staging.view(slot, len(piece))[:] = piece
-            self.bytes_copied += len(piece)
-            start = offset + done
-            seq = self.inflight.add(f.ino, start, start + len(piece))
-            self._writes.start_soon(self._send_write, fh, f, seq, slot, start, len(piece))
-            done += len(piece)
-        return done
-
     async def _send_write(self, fh, f: OpenFile, seq: int, slot: int, offset: int,
                           length: int) -> None:
         try:
-            await self.call("write", host_fh=fh, offset=offset, length=length,
-                            region=self.staging.region_id, region_offset=slot * SLOT_SIZE)
+            await self._write_slot(fh, slot, offset, length)
         except RemoteError as e:
             if f.error is None:   # the first failure of this file: drop it, once
                 f.error = e

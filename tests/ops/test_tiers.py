@@ -255,10 +255,10 @@ def test_memory_is_mapped_ahead_of_writes_and_never_past_the_capacity(harness):
             await h.put("/later", pattern("later", 2 * MiB))   # takes chunks mapped ahead
             assert {id(c) for c in h.store.ns.resolve("/later").obj.chunks} <= ready
             await settled(5 + 4)                                # and the free list is topped up
-            await h.put("/big", pattern("big", 7 * MiB))   # 12 in use + 4 ahead
+            await h.put("/big", pattern("big", 8 * MiB))   # 13 in use + 4 ahead > 16
             await settled(16)                                   # = the capacity
             nursery.cancel_scope.cancel()
-        for name, size in (("early", 3), ("later", 2), ("big", 7)):
+        for name, size in (("early", 3), ("later", 2), ("big", 8)):
             assert await h.get(f"/{name}") == pattern(name, size * MiB)
     h.serve(main)
     h.check_consistency()
