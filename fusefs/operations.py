@@ -36,7 +36,8 @@ _TO_EIO = {
 DIRECT_IO = True
 
 
-def _errno_for(e: OSError) -> int:
+def errno_for(e: OSError) -> int:
+    """The errno an application sees for a cache failure."""
     if e.errno is None or e.errno in _TO_EIO:
         return errno.EIO
     return e.errno
@@ -52,7 +53,7 @@ def _boundary(handler):
         except pyfuse3.FUSEError:
             raise
         except OSError as e:
-            err = _errno_for(e)
+            err = errno_for(e)
             if err == errno.EIO:
                 log.warning("%s: %s -> EIO", handler.__name__, e)
             raise pyfuse3.FUSEError(err) from None

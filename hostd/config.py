@@ -74,6 +74,11 @@ HOSTD = Schema("HostdConfig", (
                            "reported at close and the file dropped) or stored (once the "
                            "daemon has it; one daemon round trip per 1 MiB on the writer's "
                            "path)."),
+        "receive_in_place": Field(_as_bool, True,
+                                  "Read each FUSE write request straight into a staging slot "
+                                  "(the fuse shim), so hostd copies no byte of a POSIX write; "
+                                  "false: pyfuse3 hands hostd a copy of the bytes, which hostd "
+                                  "copies into a slot (for comparison)."),
         "staging_slots": Field(as_count(minimum=64, maximum=4096), 128,
                                "1 MiB staging buffers shared with the DMA engine: how many POSIX "
                                "requests can be in flight at once (at least 64)."),

@@ -29,6 +29,7 @@ from bluecached.zmqpump import SocketPump  # noqa: E402
 from fusefs import Operations, Timeouts  # noqa: E402
 
 from . import config  # noqa: E402
+from .inplace import InPlaceWrites  # noqa: E402
 from .link import DaemonLink, DocaSetupError  # noqa: E402
 from .mount import FSNAME, MountError, clear_stale, unmount  # noqa: E402
 
@@ -126,6 +127,14 @@ async def run(cfg, path: Path | None, notifier) -> None:
                 log.info("zero-copy %s", ioctls.state())
             else:
                 log.warning("zero-copy ioctl unavailable (%s); the POSIX path works", SHIM_PROBLEM)
+            in_place = None
+            if SHIM is not None and cfg.mount.receive_in_place:
+                in_place = InPlaceWrites(SHIM, link)
+                problem = in_place.start()
+                if problem is None:
+                    log.info("writes are received in place (into staging slots)")
+                else:
+                    log.warning("writes are copied: %s", problem)
             fuse_done = trio.Event()
 
             async def serve_fuse():
@@ -153,6 +162,10 @@ async def run(cfg, path: Path | None, notifier) -> None:
             finally:
                 pyfuse3.terminate()
                 pyfuse3.close(unmount=not fuse_done.is_set())
+                if in_place is not None:
+                    log.info("writes received in place: %(in_place)d, copied: %(copied)d",
+                             in_place.counts())
+                    in_place.stop()
                 nursery.cancel_scope.cancel()
     link.close()
     log.info("stopped; hostd copied %d payload bytes", link.bytes_copied)

@@ -3,7 +3,8 @@
 FUSE `direct_io` sends one request at a time per writer, so waiting for bluecached before
 answering puts a whole daemon round trip on the writer's path for every 1 MiB. hostd answers
 once the bytes are in its staging slot instead, and sends the daemon call in the background.
-What keeps that invisible to clients is here: overlapping writes to an inode go out in order,
+What keeps that invisible to clients is here: overlapping writes to an inode go out in the
+order they were answered,
 and anything that could observe an inode (a read, its attributes, a rename or a listing)
 first waits for the writes it must see.
 """
@@ -42,11 +43,13 @@ class WritesInFlight:
         while not condition():
             await self._changed.wait()
 
-    async def no_overlap(self, ino: int, start: int, end: int) -> None:
-        """Until no write in flight to `ino` overlaps [start, end): a later write to the same
+    async def in_order(self, ino: int, seq: int) -> None:
+        """Until no earlier write to `ino` overlaps write `seq`: a later write to the same
         bytes must land after them (disjoint ones land in any order with the same result)."""
-        await self._until(lambda: not any(s < end and start < e
-                                          for s, e in self._by_ino.get(ino, {}).values()))
+        start, end = self._by_ino[ino][seq]
+        await self._until(lambda: not any(
+            earlier < seq and s < end and start < e
+            for earlier, (s, e) in self._by_ino.get(ino, {}).items()))
 
     async def settled(self, ino: int) -> None:
         """Until every write to `ino` has been answered by the daemon."""

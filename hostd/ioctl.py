@@ -1,6 +1,6 @@
 """The zero-copy ioctl: STORE, LOAD and QUERY on files of the mount (include/bluecache_ioctl.h).
 
-pyfuse3 has no ioctl handler; native/fuse_ioctl_shim.c adds one (see there) and calls
+pyfuse3 has no ioctl handler; native/fuse_shim.c adds one (see there) and calls
 `bc_ioctl_to_python` for each request, inside pyfuse3's request loop. That callback copies the
 fixed-size request struct and starts a task; the task validates everything, takes the caller's
 fd with pidfd_getfd, registers the memory with the daemon's DMA engine and asks the daemon to

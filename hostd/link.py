@@ -1,9 +1,11 @@
 """hostd's link to bluecached: the fusefs `Cache` over the control protocol.
 
 POSIX bytes go through staging slots: 1 MiB pieces of one sealed memfd registered with the
-daemon's DMA engine. A write copies the request into a slot (the one copy hostd makes, counted
-in `bytes_copied`) and asks the daemon to pull it; a read asks the daemon to push into a slot
-and hands the slot to the kernel. With `mount.write_ack: staged` a write is answered once it
+daemon's DMA engine. A write's bytes reach a slot one of two ways: the kernel reads the request
+straight into it (native/fuse_shim.c, hostd/inplace.py: `write_in_slot`), or, where that cannot
+work, pyfuse3 hands over a copy that `write` copies into a slot (counted in `bytes_copied`);
+either way the daemon is asked to pull it. A read asks the daemon to push into a slot and
+hands the slot to the kernel. With `mount.write_ack: staged` a write is answered once it
 is in its slot and the daemon call goes on in the background (hostd/inflight.py says what
 waits for it); a write that then fails is reported at flush (close) and the daemon drops the
 file, so no reader gets the bytes it is missing.
@@ -18,6 +20,7 @@ dead daemon applied them is unknown.
 import ctypes
 import errno
 import logging
+import mmap
 import os
 from dataclasses import dataclass
 
@@ -33,6 +36,11 @@ from .inflight import WritesInFlight
 log = logging.getLogger("hostd.link")
 
 SLOT_SIZE = 1 << 20
+# A slot's payload is page aligned, with a page before it for a FUSE write request's header and
+# one after it for the rest of libfuse's receive buffer (requests are read into slots, see
+# native/fuse_shim.c).
+SLOT_HEAD = mmap.PAGESIZE
+SLOT_STRIDE = SLOT_HEAD + SLOT_SIZE + mmap.PAGESIZE
 PING_INTERVAL = 1.0
 # pyfuse3 >= 3.3 replies to a read from any buffer; Debian's 3.2 needs bytes.
 _READ_TAKES_BUFFER = tuple(int(x) for x in pyfuse3.__version__.split(".")[:2]) >= (3, 3)
@@ -45,7 +53,8 @@ class Staging:
     """Fixed 1 MiB slots in one shared region."""
 
     def __init__(self, slots: int):
-        self.region = SharedRegion(slots * SLOT_SIZE, "bluecache-staging")
+        self.slots = slots
+        self.region = SharedRegion(slots * SLOT_STRIDE, "bluecache-staging")
         self._free = list(range(slots))
         self._available = trio.Semaphore(slots)
         self.region_id = 0
@@ -54,12 +63,25 @@ class Staging:
         await self._available.acquire()
         return self._free.pop()
 
+    def take_nowait(self) -> int:
+        """A free slot, or -1 when all are taken."""
+        try:
+            self._available.acquire_nowait()
+        except trio.WouldBlock:
+            return -1
+        return self._free.pop()
+
     def give(self, slot: int) -> None:
         self._free.append(slot)
         self._available.release()
 
+    @staticmethod
+    def offset(slot: int) -> int:
+        """Where the slot's payload starts in the region."""
+        return slot * SLOT_STRIDE + SLOT_HEAD
+
     def view(self, slot: int, length: int) -> memoryview:
-        start = slot * SLOT_SIZE
+        start = self.offset(slot)
         return self.region.view[start:start + length]
 
 
@@ -283,7 +305,7 @@ class DaemonLink:
             try:
                 n = (await self.call("read", host_fh=fh, offset=offset,
                                      length=piece, region=self.staging.region_id,
-                                     region_offset=slot * SLOT_SIZE))["length"]
+                                     region_offset=self.staging.offset(slot)))["length"]
                 view = self.staging.view(slot, n)
                 if out is None:
                     if _READ_TAKES_BUFFER:
@@ -305,10 +327,8 @@ class DaemonLink:
         data = memoryview(data)
         f = self._files.get(fh)
         staged = self.ack_staged and self._writes is not None and f is not None
-        if staged:
-            if f.error is not None:
-                raise RemoteError(f.error.errno, str(f.error))
-            await self.inflight.no_overlap(f.ino, offset, offset + len(data))
+        if staged and f.error is not None:
+            raise RemoteError(f.error.errno, str(f.error))
         done = 0
         while done < len(data):
             piece = data[done:done + SLOT_SIZE]
@@ -330,9 +350,37 @@ class DaemonLink:
             done += len(piece)
         return done
 
+    def write_in_slot(self, fh: int, offset: int, slot: int, length: int, answer) -> None:
+        """A write the kernel read straight into staging `slot` (hostd/inplace.py). Called
+        inside pyfuse3's request loop, so it never waits: `answer(None or an OSError)` replies
+        to the kernel, at once with write_ack staged, after the daemon call otherwise."""
+        f = self._files.get(fh)
+        if f is None or self._writes is None:
+            self.staging.give(slot)
+            answer(RemoteError(errno.EBADF, f"no open file {fh}"))
+        elif not self.ack_staged:
+            self._writes.start_soon(self._write_then_answer, fh, slot, offset, length, answer)
+        elif f.error is not None:
+            self.staging.give(slot)
+            answer(f.error)
+        else:
+            seq = self.inflight.add(f.ino, offset, offset + length)
+            self._writes.start_soon(self._send_write, fh, f, seq, slot, offset, length)
+            answer(None)
+
+    async def _write_then_answer(self, fh, slot: int, offset: int, length: int, answer) -> None:
+        try:
+            await self._write_slot(fh, slot, offset, length)
+        except RemoteError as e:
+            answer(e)
+        else:
+            answer(None)
+        finally:
+            self.staging.give(slot)
+
     async def _write_slot(self, fh, slot: int, offset: int, length: int) -> None:
         await self.call("write", host_fh=fh, offset=offset, length=length,
-                        region=self.staging.region_id, region_offset=slot * SLOT_SIZE)
+                        region=self.staging.region_id, region_offset=self.staging.offset(slot))
 
     async def send_writes(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         """Runs the daemon calls of writes answered once staged."""
@@ -344,6 +392,7 @@ class DaemonLink:
     async def _send_write(self, fh, f: OpenFile, seq: int, slot: int, offset: int,
                           length: int) -> None:
         try:
+            await self.inflight.in_order(f.ino, seq)
             await self._write_slot(fh, slot, offset, length)
         except RemoteError as e:
             if f.error is None:   # the first failure of this file: drop it, once

@@ -1,7 +1,7 @@
 """cffi builder of hostd._fuse_shim (API mode: compiled against libfuse 3's headers).
 
 Built by `pip install` (setup.py's cffi_modules) where libfuse3-dev and pkg-config are
-installed. See fuse_ioctl_shim.c for why it exists.
+installed. See fuse_shim.c for why it exists and what it does.
 """
 
 import os
@@ -36,23 +36,36 @@ int fuse_reply_ioctl(fuse_req_t req, int result, const void *buf, size_t size);
 int fuse_reply_err(fuse_req_t req, int err);
 int fuse_version(void);
 int bc_shim_state(void);
+int bc_receive_into(char *base, size_t slots, size_t stride, size_t payload);
+long bc_receive_stop(void);
+unsigned long long bc_writes_in_place(void);
+unsigned long long bc_writes_copied(void);
+int fuse_reply_write(fuse_req_t req, size_t count);
+typedef long... off_t;
 extern "Python" void bc_ioctl_to_python(fuse_req_t req, fuse_ino_t ino, unsigned int cmd,
                                         uint64_t fh, unsigned flags, const void *in_buf,
                                         size_t in_bufsz, size_t out_bufsz);
+extern "Python" long bc_take_slot(void);
+extern "Python" void bc_write_to_python(fuse_req_t req, fuse_ino_t ino, uint64_t fh, off_t off,
+                                        long slot, size_t size);
 """)
 
-with open(os.path.join(HERE, "fuse_ioctl_shim.c")) as f:
+with open(os.path.join(HERE, "fuse_shim.c")) as f:
     _shim = f.read()
 
 ffi.set_source(
     "hostd._fuse_shim",
-    "#define FUSE_USE_VERSION 35\n#define _GNU_SOURCE\n#include <dlfcn.h>\n#include <string.h>\n"
+    "#define FUSE_USE_VERSION 35\n#define _GNU_SOURCE\n#include <dlfcn.h>\n#include <errno.h>\n"
+    "#include <string.h>\n#include <unistd.h>\n"
     "#include <fuse_lowlevel.h>\n"
     "static void bc_ioctl_to_python(fuse_req_t, fuse_ino_t, unsigned int, uint64_t, unsigned,"
-    " const void *, size_t, size_t);\n" + _shim,
+    " const void *, size_t, size_t);\n"
+    "static long bc_take_slot(void);\n"
+    "static void bc_write_to_python(fuse_req_t, fuse_ino_t, uint64_t, off_t, long, size_t);\n"
+    + _shim,
     extra_compile_args=_pkg_config("--cflags"),
     extra_link_args=_pkg_config("--libs")
-    + [f"-Wl,--version-script={os.path.join(HERE, 'fuse_ioctl_shim.map')}", "-ldl"],
+    + [f"-Wl,--version-script={os.path.join(HERE, 'fuse_shim.map')}", "-ldl"],
 )
 
 if __name__ == "__main__":

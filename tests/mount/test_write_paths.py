@@ -1,0 +1,114 @@
+"""The ways a POSIX write reaches the cache, through a real mount: read by the kernel straight
+into a staging slot (mount.receive_in_place, the default: hostd copies nothing) or handed over
+by pyfuse3 and copied into a slot; answered once staged (write_ack: staged, the default) or once
+the daemon has the bytes (stored). Every combination must give the same bytes and errors."""
+
+import errno
+import mmap
+import os
+import random
+
+import pytest
+
+from connectors import llmd_read, llmd_write
+from hostd.zerocopy import query
+from support import MiB, pattern
+
+PATHS = [(True, "staged"), (True, "stored"), (False, "staged"), (False, "stored")]
+
+
+def stack(mounted, in_place: bool, ack: str, **settings):
+    return mounted(hostd_settings={"mount.receive_in_place": in_place, "mount.write_ack": ack},
+                   **settings)
+
+
+def direct_store(path: str, data: bytes) -> None:
+    """vLLM's store: O_EXCL | O_DIRECT from page-aligned memory."""
+    buf = mmap.mmap(-1, len(data))
+    buf[:] = data
+    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_DIRECT, 0o644)
+    try:
+        assert os.write(fd, buf) == len(data)
+    finally:
+        os.close(fd)
+
+
+def direct_load(path: str, size: int) -> bytes:
+    buf = mmap.mmap(-1, size)
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+    try:
+        assert os.readv(fd, [buf]) == size
+    finally:
+        os.close(fd)
+    return buf[:]
+
+
+def copied_by_hostd(s) -> int:
+    probe = s.mnt / ".probe"
+    probe.write_bytes(b"x")
+    return query(str(probe))["hostd_bytes_copied"]
+
+
+@pytest.mark.parametrize("in_place,ack", PATHS)
+def test_connector_writes_round_trip_and_hostd_copies_only_without_in_place(mounted, in_place,
+                                                                            ack):
+    s = stack(mounted, in_place, ack)
+    root = str(s.mnt)
+    before = copied_by_hostd(s)
+    block = pattern("llmd", 8 * MiB + 12345)            # a last request shorter than 1 MiB
+    assert llmd_write(root, "m/a/block.bin", block, "t0")
+    direct = pattern("vllm", 4 * MiB)
+    os.mkdir(os.path.join(root, "vllm"))
+    direct_store(os.path.join(root, "vllm/0.bin"), direct)
+    written = len(block) + len(direct)
+    probe = 0 if in_place else 1   # copied_by_hostd's own write
+    assert copied_by_hostd(s) - before == (0 if in_place else written + probe)
+    assert llmd_read(root, "m/a/block.bin") == block
+    assert direct_load(os.path.join(root, "vllm/0.bin"), len(direct)) == direct
+
+
+@pytest.mark.parametrize("in_place,ack", PATHS)
+def test_overlapping_writes_land_in_the_order_they_were_written(mounted, in_place, ack):
+    s = stack(mounted, in_place, ack)
+    path = os.path.join(str(s.mnt), "overlaps.bin")
+    rng = random.Random(7)
+    model = bytearray(4 * MiB)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, bytes(model))
+        for i in range(300):   # each at most 1 MiB: one request, answered before the next
+            off, size = rng.randrange(3 * MiB), rng.randrange(1, MiB + 1)
+            piece = pattern(f"w{i}", size)
+            assert os.pwrite(fd, piece, off) == size
+            model[off:off + size] = piece
+    finally:
+        os.close(fd)
+    with open(path, "rb") as f:
+        assert f.read() == model
+
+
+@pytest.mark.parametrize("in_place", [True, False])
+def test_a_stored_write_reports_a_full_cache_at_the_write(mounted, in_place):
+    # With write_ack stored nothing is answered early: the write itself fails, and what was
+    # written before stays (test_capacity covers the staged case, where close reports it).
+    s = stack(mounted, in_place, "stored", allow_log=["no room"],
+              **{"tiers.dram.size": "8MiB", "tiers.nvme.size": 0})
+    root = str(s.mnt)
+    held = os.open(os.path.join(root, "held"), os.O_WRONLY | os.O_CREAT, 0o644)
+    try:
+        os.write(held, pattern("held", 6 * MiB))
+        fd = os.open(os.path.join(root, "late"), os.O_WRONLY | os.O_CREAT, 0o644)
+        written = 0
+        try:
+            with pytest.raises(OSError) as e:
+                while written < 8 * MiB:   # 1 MiB per write: each is one request
+                    written += os.write(fd, pattern(f"late{written}", MiB))
+            assert e.value.errno == errno.ENOSPC and 0 < written < 3 * MiB
+        finally:
+            os.close(fd)
+        with open(os.path.join(root, "late"), "rb") as f:
+            assert f.read() == b"".join(pattern(f"late{n}", MiB) for n in range(0, written, MiB))
+    finally:
+        os.close(held)
+    with open(os.path.join(root, "held"), "rb") as f:
+        assert f.read() == pattern("held", 6 * MiB)
