@@ -72,8 +72,8 @@ async def _serve_peer(sock, server, max_bytes: int) -> None:
                     break
                 server.on_frame(peer.identity, frame)
             nursery.cancel_scope.cancel()
-    except OSError as e:
-        log.info("local client went away: %s", e)
+    except* OSError as group:   # e.g. ECONNRESET: it closed with our replies unread
+        log.info("local client went away: %s", group.exceptions[0])
     finally:
         server.detach_peer(peer)
         peer.close()

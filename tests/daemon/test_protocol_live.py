@@ -215,6 +215,28 @@ def test_local_seqpacket_transport(daemon):
     watcher.close()
 
 
+def test_a_local_client_that_leaves_replies_unread_does_not_take_the_daemon_down(daemon):
+    # Closing a unix socket with unread data makes the other end's next recv fail with
+    # ECONNRESET: a client that does that (a hostd killed or exiting mid-request) is gone,
+    # nothing more.
+    import socket as pysocket
+    d = daemon().start()
+    path = protocol.state_dir_endpoints(str(d.state_dir))["local"]
+    for _ in range(3):
+        sock = pysocket.socket(pysocket.AF_UNIX, pysocket.SOCK_SEQPACKET)
+        sock.connect(path)
+        sock.send(protocol.encode_request(1, "hello", {"versions": [1], "client": "rude"}))
+        for rid in range(2, 10):
+            sock.send(protocol.encode_request(rid, "statfs", {}))
+        sock.settimeout(5)
+        sock.recv(65536, pysocket.MSG_PEEK)   # a reply is waiting, and stays unread
+        sock.close()
+    client = d.client()
+    assert "files" in client.call("stats")
+    client.close()
+    assert d.proc.poll() is None
+
+
 async def _handshake_when_up(client) -> None:
     with trio.fail_after(10):
         while True:
