@@ -45,6 +45,8 @@ OPS: dict[str, tuple[dict, dict]] = {
     "open": ({"ino": U64, "flags": U32}, {}),
     "read": (_TRANSFER, {}),
     "write": (_TRANSFER, {}),
+    "write_batch": ({"region": U64, "fhs": U64_LIST, "offsets": U64_LIST, "lengths": U64_LIST,
+                     "region_offsets": U64_LIST}, {}),
     "store": ({"fh": U64, "length": U64, "region": U64, "region_offset": U64}, {}),
     "query": ({"fh": U64}, {}),
     "flush": ({"fh": U64}, {}),

@@ -226,6 +226,24 @@ class ControlServer:
     async def op_write(self, session, **args) -> dict:
         return await self._transfer(self.store.write, **args)
 
+    async def op_write_batch(self, session, region, fhs, offsets, lengths,
+                             region_offsets) -> dict:
+        """Writes, applied in list order, each answered apart: hostd sends the writes it
+        answered once staged together (one message and one reply instead of one each), and
+        one file's failure must not fail the others'."""
+        if not fhs or not len(fhs) == len(offsets) == len(lengths) == len(region_offsets):
+            raise FsError(errno.EINVAL, "write_batch: fhs, offsets, lengths and region_offsets "
+                                        "must be non-empty lists of one length")
+        total, failed = 0, []
+        for i, piece in enumerate(zip(fhs, offsets, lengths, region_offsets, strict=True)):
+            fh, offset, length, region_offset = piece
+            try:
+                total += (await self._transfer(self.store.write, fh, offset, length, region,
+                                               region_offset))["length"]
+            except (FsError, DmaError) as e:
+                failed.append([i, e.errno, str(e)])
+        return {"length": total, "failed": failed}
+
     async def op_store(self, session, fh, length, region, region_offset) -> dict:
         reg = self.regions.acquire(region, region_offset, length)
         try:

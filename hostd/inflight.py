@@ -3,10 +3,9 @@
 FUSE `direct_io` sends one request at a time per writer, so waiting for bluecached before
 answering puts a whole daemon round trip on the writer's path for every 1 MiB. hostd answers
 once the bytes are in its staging slot instead, and sends the daemon call in the background.
-What keeps that invisible to clients is here: overlapping writes to an inode go out in the
-order they were answered,
-and anything that could observe an inode (a read, its attributes, a rename or a listing)
-first waits for the writes it must see.
+What keeps that invisible to clients: the writes go out in the order they were answered (one
+sender, link.py), and, here, anything that could observe an inode (a read, its attributes, a
+rename or a listing) first waits for the writes it must see.
 """
 
 from __future__ import annotations
@@ -42,14 +41,6 @@ class WritesInFlight:
     async def _until(self, condition) -> None:
         while not condition():
             await self._changed.wait()
-
-    async def in_order(self, ino: int, seq: int) -> None:
-        """Until no earlier write to `ino` overlaps write `seq`: a later write to the same
-        bytes must land after them (disjoint ones land in any order with the same result)."""
-        start, end = self._by_ino[ino][seq]
-        await self._until(lambda: not any(
-            earlier < seq and s < end and start < e
-            for earlier, (s, e) in self._by_ino.get(ino, {}).items()))
 
     async def settled(self, ino: int) -> None:
         """Until every write to `ino` has been answered by the daemon."""

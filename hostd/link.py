@@ -45,8 +45,9 @@ PING_INTERVAL = 1.0
 # pyfuse3 >= 3.3 replies to a read from any buffer; Debian's 3.2 needs bytes.
 _READ_TAKES_BUFFER = tuple(int(x) for x in pyfuse3.__version__.split(".")[:2]) >= (3, 3)
 
-_IDEMPOTENT = {"lookup", "getattr", "read", "write", "readdir", "statfs", "open", "flush",
-               "ping", "forget", "discard"}
+_IDEMPOTENT = {"lookup", "getattr", "read", "write", "write_batch", "readdir", "statfs", "open",
+               "flush", "ping", "forget", "discard"}
+MAX_BATCH = 64   # staged writes per write_batch message
 
 
 class Staging:
@@ -86,6 +87,17 @@ class Staging:
 
 
 @dataclass(slots=True)
+class StagedWrite:
+    """A write answered once staged, waiting for the sender."""
+    fh: int
+    file: "OpenFile"
+    seq: int      # in hostd/inflight.py
+    slot: int
+    offset: int
+    length: int
+
+
+@dataclass(slots=True)
 class OpenFile:
     ino: int
     flags: int
@@ -121,6 +133,8 @@ class DaemonLink:
         self.ack_staged = ack_staged
         self.inflight = WritesInFlight()
         self._writes: trio.Nursery | None = None   # background write calls (send_writes)
+        self._unsent: list[StagedWrite] = []
+        self._staged = trio.Event()   # set when _unsent gains a write
 
     # -- connection ------------------------------------------------------------------------
 
@@ -213,9 +227,11 @@ class DaemonLink:
                 log.debug("reconnect failed: %s", e)
                 await trio.sleep(0.2)
 
-    async def call(self, op: str, host_fh: int | None = None, **args):
-        """A request, waiting out a daemon restart for those safe to repeat. With `host_fh`,
-        the daemon's handle is looked up at each attempt (a restart re-opens it)."""
+    async def call(self, op: str, host_fh: int | None = None, host_fhs: list | None = None,
+                   **args):
+        """A request, waiting out a daemon restart for those safe to repeat. With `host_fh`
+        (`host_fhs`), the daemon's handle (`fhs`) is looked up at each attempt (a restart
+        re-opens it)."""
         deadline = trio.current_time() + self.request_timeout
         while True:
             remaining = deadline - trio.current_time()
@@ -229,6 +245,8 @@ class DaemonLink:
             try:
                 if host_fh is not None:
                     args["fh"] = await self.daemon_fh(host_fh)
+                if host_fhs is not None:
+                    args["fhs"] = [await self.daemon_fh(fh) for fh in host_fhs]
                 return await self.client.call(op, timeout=max(remaining, 0.001), **args)
             except RemoteError as e:
                 if e.errno == errno.EPROTO and "hello" in str(e):
@@ -338,10 +356,8 @@ class DaemonLink:
                 self.staging.view(slot, len(piece))[:] = piece
                 self.bytes_copied += len(piece)
                 if staged:
-                    seq = self.inflight.add(f.ino, start, start + len(piece))
-                    self._writes.start_soon(self._send_write, fh, f, seq, slot, start,
-                                            len(piece))
-                    slot = None   # _send_write gives it back
+                    self._stage(fh, f, slot, start, len(piece))
+                    slot = None   # the sender gives it back
                 else:
                     await self._write_slot(fh, slot, start, len(piece))
             finally:
@@ -364,8 +380,7 @@ class DaemonLink:
             self.staging.give(slot)
             answer(f.error)
         else:
-            seq = self.inflight.add(f.ino, offset, offset + length)
-            self._writes.start_soon(self._send_write, fh, f, seq, slot, offset, length)
+            self._stage(fh, f, slot, offset, length)
             answer(None)
 
     async def _write_then_answer(self, fh, slot: int, offset: int, length: int, answer) -> None:
@@ -383,29 +398,64 @@ class DaemonLink:
                         region=self.staging.region_id, region_offset=self.staging.offset(slot))
 
     async def send_writes(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
-        """Runs the daemon calls of writes answered once staged."""
+        """Runs the daemon calls of writes: those answered once staged by one sender task,
+        those answered once stored (write_ack: stored) each in a task of its own."""
         async with trio.open_nursery() as nursery:
             self._writes = nursery
+            nursery.start_soon(self._send_staged)
             task_status.started()
             await trio.sleep_forever()
 
-    async def _send_write(self, fh, f: OpenFile, seq: int, slot: int, offset: int,
-                          length: int) -> None:
+    def _stage(self, fh: int, f: OpenFile, slot: int, offset: int, length: int) -> None:
+        """Queues a write answered once staged for the sender."""
+        seq = self.inflight.add(f.ino, offset, offset + length)
+        self._unsent.append(StagedWrite(fh, f, seq, slot, offset, length))
+        self._staged.set()
+
+    async def _send_staged(self) -> None:
+        """Sends staged writes in the order they were answered, one message at a time, each
+        with all that arrived while the one before was out (up to MAX_BATCH). Each message
+        costs both daemons far more than a piece in it; and writes sent in order need no
+        ordering of overlapping ones."""
+        while True:
+            await self._staged.wait()
+            self._staged = trio.Event()
+            while self._unsent:
+                batch, self._unsent = self._unsent[:MAX_BATCH], self._unsent[MAX_BATCH:]
+                await self._send_batch(batch)
+
+    async def _send_batch(self, batch: list[StagedWrite]) -> None:
+        live = [w for w in batch if w.file.error is None]   # a dropped file's are not sent
+        failed: dict[int, RemoteError] = {}
         try:
-            await self.inflight.in_order(f.ino, seq)
-            await self._write_slot(fh, slot, offset, length)
+            if live:
+                r = await self.call("write_batch", host_fhs=[w.fh for w in live],
+                                    region=self.staging.region_id,
+                                    offsets=[w.offset for w in live],
+                                    lengths=[w.length for w in live],
+                                    region_offsets=[self.staging.offset(w.slot) for w in live])
+                failed = {i: RemoteError(err, message) for i, err, message in r["failed"]}
         except RemoteError as e:
-            if f.error is None:   # the first failure of this file: drop it, once
-                f.error = e
-                log.warning("write to inode %d failed after it was answered (%s): the file "
-                            "is dropped, its close reports the error", f.ino, e)
-                try:   # before `done`: whatever waits for this write then sees the file gone
-                    await self.call("discard", ino=f.ino)
-                except RemoteError as e2:   # a daemon that is gone took the file with it
-                    log.info("could not drop inode %d: %s", f.ino, e2)
-        finally:
-            self.staging.give(slot)
-            self.inflight.done(f.ino, seq)
+            failed = dict.fromkeys(range(len(live)), e)
+        try:
+            for i, e in failed.items():
+                await self._drop_file(live[i].file, e)
+        finally:   # after the drop: whatever waits for these writes then sees the file gone
+            for w in batch:
+                self.staging.give(w.slot)
+                self.inflight.done(w.file.ino, w.seq)
+
+    async def _drop_file(self, f: OpenFile, e: RemoteError) -> None:
+        """A write to `f` failed after it was answered: the file is dropped, once."""
+        if f.error is not None:
+            return
+        f.error = e
+        log.warning("write to inode %d failed after it was answered (%s): the file is "
+                    "dropped, its close reports the error", f.ino, e)
+        try:
+            await self.call("discard", ino=f.ino)
+        except RemoteError as e2:   # a daemon that is gone took the file with it
+            log.info("could not drop inode %d: %s", f.ino, e2)
 
     async def flush(self, fh) -> None:
         f = self._files.get(fh)

@@ -82,6 +82,29 @@ def test_bad_region_requests_are_refused(daemon):
     fc.close()
 
 
+def test_write_batch_applies_in_order_and_answers_each_write_apart(daemon):
+    d = daemon().start()
+    fc = FileClient(d, region_size=MiB)
+    a, b = (fc.client.call("create", parent=ROOT_INO, name=name, mode=0o644, uid=0, gid=0,
+                           flags=os.O_RDWR) for name in (b"a", b"b"))
+    fc.shm.view[:300] = b"1" * 100 + b"2" * 100 + b"3" * 100
+    r = fc.client.call("write_batch", region=fc.region,
+                       fhs=[a["fh"], 12345, b["fh"], a["fh"], b["fh"]],
+                       offsets=[0, 0, 0, 50, 1 << 62],
+                       lengths=[100, 100, 100, 100, 100],
+                       region_offsets=[0, 100, 200, 100, MiB - 50])
+    assert r["length"] == 300
+    assert [(i, err) for i, err, _ in r["failed"]] == [(1, errno.EBADF), (4, errno.EFAULT)]
+    assert fc.get("a") == b"1" * 50 + b"2" * 100     # the later write over the earlier
+    assert fc.get("b") == b"3" * 100
+    for lists in ({"fhs": [], "offsets": [], "lengths": [], "region_offsets": []},
+                  {"fhs": [a["fh"]], "offsets": [0, 1], "lengths": [1], "region_offsets": [0]}):
+        with pytest.raises(RemoteError) as e:
+            fc.client.call("write_batch", region=fc.region, **lists)
+        assert e.value.errno == errno.EINVAL
+    fc.close()
+
+
 def test_many_clients_with_many_outstanding_requests(daemon):
     d = daemon().start()
     endpoint = d.endpoints["control"]
