@@ -1,5 +1,6 @@
-# Only for what pyproject.toml cannot say: the cffi-built native parts (native/): the ioctl
-# shim, the DOCA API simulator, and the DOCA binding in API mode where the DOCA SDK is installed.
+# Only for what pyproject.toml cannot say: the cffi-built native parts (native/): the fuse
+# shim (ioctl, writes received in place), the DOCA API simulator, and the DOCA binding in API
+# mode where the DOCA SDK is installed.
 import subprocess
 
 from setuptools import setup
