@@ -5,7 +5,9 @@ through its I/O threads: a request and its reply cost eight thread wake-ups betw
 bluecached, most of a FUSE request's latency on two cores. A SEQPACKET socket keeps message
 boundaries and costs two. It also tells the daemon when a client goes away.
 
-Each connection has one reader task and one writer task (the only ones touching the socket).
+The daemon has one reader task per connection and answers straight from the serving task (a
+writer task drains what a full socket made wait); hostd's callers send straight from their
+own tasks, and one task reads the replies.
 """
 
 import errno
@@ -35,14 +37,14 @@ class LocalPeer:
         # Replies go out at once when the socket has room (nearly always): handing each to
         # the writer task would cost a task switch per request. The writer only drains what
         # a full socket made wait, so replies never overtake each other.
-        self._raw = socket.socket(fileno=os.dup(sock.fileno()))
-        self._raw.setblocking(False)
+        self.raw = socket.socket(fileno=os.dup(sock.fileno()))
+        self.raw.setblocking(False)
         self._waiting = 0
 
     def send(self, payload: bytes) -> None:
         if not self._waiting:
             try:
-                self._raw.send(payload)
+                self.raw.send(payload)
                 return
             except BlockingIOError:
                 pass
@@ -57,7 +59,26 @@ class LocalPeer:
             self._waiting -= 1
 
     def close(self) -> None:
-        self._raw.close()
+        self.raw.close()
+
+
+async def _datagrams(raw: socket.socket, max_bytes: int):
+    """The messages arriving on a non-blocking SEQPACKET socket until the peer closes it.
+    trio's socket methods yield to the scheduler on every call, even with a message at hand;
+    this waits only when there is none (and lets others run now and then in a long burst)."""
+    taken = 0
+    while True:
+        try:
+            frame = raw.recv(max_bytes)
+        except BlockingIOError:
+            await trio.lowlevel.wait_readable(raw)
+            continue
+        if not frame:
+            return
+        yield frame
+        taken += 1
+        if taken % 64 == 0:
+            await trio.lowlevel.checkpoint()
 
 
 async def _serve_peer(sock, server, max_bytes: int) -> None:
@@ -66,10 +87,7 @@ async def _serve_peer(sock, server, max_bytes: int) -> None:
     try:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(peer.write_replies)
-            while True:
-                frame = await sock.recv(max_bytes + 1)
-                if not frame:
-                    break
+            async for frame in _datagrams(peer.raw, max_bytes + 1):
                 server.on_frame(peer.identity, frame)
             nursery.cancel_scope.cancel()
     except* OSError as group:   # e.g. ECONNRESET: it closed with our replies unread
@@ -102,31 +120,31 @@ class LocalClient(Handshaking):
         self._sock = None
         self._ids = itertools.count(1)
         self._waiting: dict[int, list] = {}
-        self._send_lock = trio.Lock()
         self.hello: dict = {}
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         task_status.started()
         while True:
-            sock = trio.socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+            # The plain socket, non-blocking, is what call() and the loop below use: trio's
+            # socket methods yield to the scheduler on every call, even when the kernel has
+            # the message at hand, and a 1 MiB request is a few such round trips.
+            raw = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+            raw.setblocking(False)
             try:
-                await sock.connect(self.endpoint)
+                await trio.socket.from_stdlib_socket(raw).connect(self.endpoint)
             except OSError:
-                sock.close()
+                raw.close()
                 await trio.sleep(0.1)
                 continue
-            self._sock = sock
+            self._sock = raw
             try:
-                while True:
-                    frame = await sock.recv(self.MAX_REPLY)
-                    if not frame:
-                        break
+                async for frame in _datagrams(raw, self.MAX_REPLY):
                     self._on_reply(frame)
             except OSError:
                 pass
             finally:
                 self._sock = None
-                sock.close()
+                raw.close()
                 self.fail_pending(errno.ECONNRESET, "connection to bluecached closed")
 
     def _on_reply(self, frame: bytes) -> None:
@@ -155,8 +173,13 @@ class LocalClient(Handshaking):
         self._waiting[rid] = slot
         try:
             with trio.fail_after(timeout) if timeout else _no_deadline():
-                async with self._send_lock:   # one sender at a time on the socket
-                    await sock.send(protocol.encode_request(rid, op, args))
+                frame = protocol.encode_request(rid, op, args)
+                while True:   # a SEQPACKET send is all or nothing: no interleaving callers
+                    try:
+                        sock.send(frame)
+                        break
+                    except BlockingIOError:
+                        await trio.lowlevel.wait_writable(sock)
                 await slot[0].wait()
         except trio.TooSlowError:
             raise RemoteError(errno.ETIMEDOUT, f"{op}: no reply within {timeout}s") from None

@@ -61,8 +61,11 @@ class Staging:
         self.region_id = 0
 
     async def take(self) -> int:
-        await self._available.acquire()
-        return self._free.pop()
+        slot = self.take_nowait()
+        if slot < 0:
+            await self._available.acquire()
+            slot = self._free.pop()
+        return slot
 
     def take_nowait(self) -> int:
         """A free slot, or -1 when all are taken."""
@@ -238,10 +241,11 @@ class DaemonLink:
             if remaining <= 0:
                 raise RemoteError(errno.ETIMEDOUT, f"{op}: bluecached unavailable for "
                                                    f"{self.request_timeout:g}s")
-            with trio.move_on_after(remaining):
-                await self._connected.wait()
             if not self._connected.is_set():
-                continue
+                with trio.move_on_after(remaining):
+                    await self._connected.wait()
+                if not self._connected.is_set():
+                    continue
             try:
                 if host_fh is not None:
                     args["fh"] = await self.daemon_fh(host_fh)
