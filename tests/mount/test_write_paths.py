@@ -76,8 +76,11 @@ def test_overlapping_writes_land_in_the_order_they_were_written(mounted, in_plac
     fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
     try:
         os.write(fd, bytes(model))
-        for i in range(300):   # each at most 1 MiB: one request, answered before the next
-            off, size = rng.randrange(3 * MiB), rng.randrange(1, MiB + 1)
+        # Each at most 1 MiB: one request, answered before the next. Mostly small, so that
+        # several arrive while one daemon message is out and share the next one.
+        for i in range(1000):
+            size = rng.randrange(1, MiB + 1) if i % 10 == 0 else rng.randrange(1, 64 << 10)
+            off = rng.randrange(4 * MiB - size)
             piece = pattern(f"w{i}", size)
             assert os.pwrite(fd, piece, off) == size
             model[off:off + size] = piece
