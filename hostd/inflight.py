@@ -15,18 +15,18 @@ import trio
 
 class WritesInFlight:
     def __init__(self):
-        self._by_ino: dict[int, dict[int, tuple[int, int]]] = {}   # ino -> seq -> byte range
+        self._by_ino: dict[int, set[int]] = {}   # ino -> seqs of its writes in flight
         self._seq = 0
         self._changed = trio.Event()
 
-    def add(self, ino: int, start: int, end: int) -> int:
+    def add(self, ino: int) -> int:
         self._seq += 1
-        self._by_ino.setdefault(ino, {})[self._seq] = (start, end)
+        self._by_ino.setdefault(ino, set()).add(self._seq)
         return self._seq
 
     def done(self, ino: int, seq: int) -> None:
         writes = self._by_ino[ino]
-        del writes[seq]
+        writes.remove(seq)
         if not writes:
             del self._by_ino[ino]
         self._changed.set()

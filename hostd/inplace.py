@@ -28,13 +28,12 @@ class InPlaceWrites:
         self.ffi, self.lib = shim.ffi, shim.lib
         self.link = link
         self.active = False
-        ffi = shim.ffi
 
-        @ffi.def_extern(error=-1)
+        @self.ffi.def_extern(error=-1)
         def bc_take_slot():
             return link.staging.take_nowait()
 
-        @ffi.def_extern()
+        @self.ffi.def_extern()
         def bc_write_to_python(req, ino, fh, off, slot, size):
             # Runs inside pyfuse3's loop, on the trio thread: never block, nothing may escape.
             try:

@@ -348,7 +348,7 @@ class DaemonLink:
     async def write(self, fh, offset, data) -> int:
         data = memoryview(data)
         f = self._files.get(fh)
-        staged = self.ack_staged and self._writes is not None and f is not None
+        staged = self.ack_staged and f is not None
         if staged and f.error is not None:
             raise RemoteError(f.error.errno, str(f.error))
         done = 0
@@ -375,7 +375,7 @@ class DaemonLink:
         inside pyfuse3's request loop, so it never waits: `answer(None or an OSError)` replies
         to the kernel, at once with write_ack staged, after the daemon call otherwise."""
         f = self._files.get(fh)
-        if f is None or self._writes is None:
+        if f is None:
             self.staging.give(slot)
             answer(RemoteError(errno.EBADF, f"no open file {fh}"))
         elif not self.ack_staged:
@@ -412,7 +412,7 @@ class DaemonLink:
 
     def _stage(self, fh: int, f: OpenFile, slot: int, offset: int, length: int) -> None:
         """Queues a write answered once staged for the sender."""
-        seq = self.inflight.add(f.ino, offset, offset + length)
+        seq = self.inflight.add(f.ino)
         self._unsent.append(StagedWrite(fh, f, seq, slot, offset, length))
         self._staged.set()
 

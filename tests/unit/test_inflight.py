@@ -9,9 +9,9 @@ from hostd.inflight import WritesInFlight
 def test_waits_are_for_exactly_the_writes_they_must_see():
     async def main():
         w = WritesInFlight()
-        a = w.add(7, 0, 100)
-        b = w.add(7, 100, 200)
-        c = w.add(8, 0, 100)
+        a = w.add(7)
+        b = w.add(7)
+        c = w.add(8)
         log = []
 
         async def waiter(name, wait):
@@ -24,7 +24,7 @@ def test_waits_are_for_exactly_the_writes_they_must_see():
             await trio.testing.wait_all_tasks_blocked()
             assert log == []
             w.done(7, b)
-            later = w.add(9, 0, 1)   # sent after earlier_done began: not waited for
+            later = w.add(9)   # sent after earlier_done began: not waited for
             await trio.testing.wait_all_tasks_blocked()
             assert log == []         # a is still out
             w.done(7, a)
