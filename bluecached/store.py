@@ -276,9 +276,11 @@ class Store:
                 dropped = obj.chunks[keep:]
                 del obj.chunks[keep:]
                 self.tiers.give_chunks(obj, dropped)
+                # Past EOF is zero: clear the rest of the chunk the new end falls in, if it has
+                # one (a file grown by truncate has fewer chunks than its size: a hole).
                 tail = size % CHUNK_SIZE
-                if tail and obj.chunks and obj.chunks[-1] is not None:
-                    obj.chunks[-1][tail:] = bytes(CHUNK_SIZE - tail)  # keep: past EOF is zero
+                if tail and len(obj.chunks) == keep and obj.chunks[-1] is not None:
+                    obj.chunks[-1][tail:] = bytes(CHUNK_SIZE - tail)
             self._set_size(node, size)
         self.tiers.queue_writeback(node)
 

@@ -47,6 +47,28 @@ def test_sparse_writes_and_truncate_read_zeros(harness):
     h.check_consistency()
 
 
+def test_shrinking_a_grown_file_keeps_the_bytes_before_the_hole(harness):
+    # Found by the fsx exerciser: grown past its last chunk (a hole), then cut inside the hole,
+    # the file lost the bytes of its last real chunk after the new size's offset in a chunk.
+    h = harness()
+
+    async def main():
+        handle = await h.store.create(ROOT_INO, b"f", 0o644, 0, 0, os.O_RDWR)
+        head = pattern("head", 1184)
+        await h.write(handle.fh, 0, head)
+        await h.store.setattr(handle.node.ino, size=3 * MiB)        # a hole after chunk 0
+        await h.store.setattr(handle.node.ino, size=2 * MiB + 1)    # cut in the hole
+        assert await h.read(handle.fh, 0, 2 * MiB + 1) == head + bytes(2 * MiB + 1 - 1184)
+        await h.store.setattr(handle.node.ino, size=MiB + 7)        # cut at chunk 1
+        await h.store.setattr(handle.node.ino, size=100)            # cut inside chunk 0
+        await h.store.setattr(handle.node.ino, size=3000)           # grow: zeros past 100
+        assert await h.read(handle.fh, 0, 3000) == head[:100] + bytes(2900)
+        h.store.release(handle.fh)
+
+    run(main)
+    h.check_consistency()
+
+
 def test_restart_after_clean_stop_keeps_everything(harness):
     h = harness()
     blobs = {f"/d{i % 3}/f{i}.bin": pattern(str(i), (i + 1) * 300_000) for i in range(12)}
