@@ -20,6 +20,7 @@ import msgpack
 import trio
 
 from ..unix_listener import serve_private
+from . import _stream_copy
 from .engine import DmaEngine, DmaError, Region
 
 MAX_REGION = 1 << 40
@@ -107,7 +108,7 @@ class LoopbackEngine(DmaEngine):
         for d in dst:
             pairs.append((d, src[offset:offset + len(d)]))
             offset += len(d)
-        await _copy(pairs)
+        await _copy(pairs, into_store=True)
 
     async def from_store(self, src, region, offset) -> None:
         if region.kind == "cuda_ipc":
@@ -144,15 +145,29 @@ def _memmove_pairs(pairs) -> None:
             ctypes.memmove(_address(dst), _address(src), len(dst))
 
 
-async def _copy(pairs) -> None:
+def _stream_pairs(pairs) -> None:
+    """Copies into the store with streaming stores (native/stream_copy.c says why); the call
+    releases the GIL."""
+    ffi, lib = _stream_copy.ffi, _stream_copy.lib
+    for dst, src in pairs:
+        if len(dst):
+            lib.bc_stream_copy(ffi.from_buffer(dst), ffi.from_buffer(src), len(dst))
+
+
+async def _copy(pairs, into_store: bool = False) -> None:
+    """Copies into the store stream past the cache; copies out of it (a read, a LOAD) do not:
+    hostd's kernel copy or the client reads those bytes next."""
+    copy_pairs = _stream_pairs if into_store else _memmove_pairs
     total = sum(len(d) for d, _ in pairs)
     if total >= SPLIT_COPY_MIN and len(pairs) > 1:
         half = len(pairs) // 2
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(trio.to_thread.run_sync, _memmove_pairs, pairs[:half])
-            nursery.start_soon(trio.to_thread.run_sync, _memmove_pairs, pairs[half:])
+            nursery.start_soon(trio.to_thread.run_sync, copy_pairs, pairs[:half])
+            nursery.start_soon(trio.to_thread.run_sync, copy_pairs, pairs[half:])
     elif total >= THREAD_COPY_MIN:
-        await trio.to_thread.run_sync(_memmove_pairs, pairs)
+        await trio.to_thread.run_sync(copy_pairs, pairs)
+    elif into_store:
+        copy_pairs(pairs)
     else:
         for dst, src in pairs:
             dst[:] = src
