@@ -79,6 +79,12 @@ HOSTD = Schema("HostdConfig", (
                                   "(the fuse shim), so hostd copies no byte of a POSIX write; "
                                   "false: pyfuse3 hands hostd a copy of the bytes, which hostd "
                                   "copies into a slot (for comparison)."),
+        "reader_thread": Field(_as_bool, True,
+                               "Read requests from /dev/fuse in a thread of the fuse shim, "
+                               "ahead of the event loop: the kernel's copy of each write's "
+                               "bytes then runs beside hostd's Python work, on another core; "
+                               "false: the event loop reads each request itself (one hand-over "
+                               "between threads less per request)."),
         "staging_slots": Field(as_count(minimum=64, maximum=4096), 128,
                                "1 MiB staging buffers shared with the DMA engine: how many POSIX "
                                "requests can be in flight at once (at least 64)."),

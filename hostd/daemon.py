@@ -29,6 +29,7 @@ from bluecached.zmqpump import SocketPump  # noqa: E402
 from fusefs import Operations, Timeouts  # noqa: E402
 
 from . import config  # noqa: E402
+from .fuse_log import answer_to_a_gone_connection  # noqa: E402
 from .inplace import InPlaceWrites  # noqa: E402
 from .link import DaemonLink, DocaSetupError  # noqa: E402
 from .mount import FSNAME, MountError, clear_stale, unmount  # noqa: E402
@@ -117,6 +118,8 @@ async def run(cfg, path: Path | None, notifier) -> None:
             options = set(pyfuse3.default_options) | {f"fsname={FSNAME}", f"subtype={FSNAME}"}
             if cfg.mount.allow_other:
                 options.add("allow_other")
+            if SHIM is not None and cfg.mount.reader_thread:
+                SHIM.lib.bc_use_reader_thread()
             try:
                 pyfuse3.init(ops, str(mountpoint), options)
             except RuntimeError as e:
@@ -127,6 +130,12 @@ async def run(cfg, path: Path | None, notifier) -> None:
                 log.info("zero-copy %s", ioctls.state())
             else:
                 log.warning("zero-copy ioctl unavailable (%s); the POSIX path works", SHIM_PROBLEM)
+            if SHIM is not None and cfg.mount.reader_thread:
+                if SHIM.lib.bc_reader_state() == 1:
+                    log.info("requests are read from /dev/fuse in a thread of their own")
+                else:
+                    log.warning("the fuse shim's reader thread did not start: the event loop "
+                                "reads requests itself")
             in_place = None
             if SHIM is not None and cfg.mount.receive_in_place:
                 in_place = InPlaceWrites(SHIM, link)
@@ -213,6 +222,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=cfg.log_level.upper(), stream=sys.stderr,
                         format="%(levelname)s %(name)s: %(message)s" if under_systemd
                         else "%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("pyfuse3").addFilter(answer_to_a_gone_connection)
     status = 0
     try:
         trio.run(run, cfg, path, Notifier(), strict_exception_groups=True)

@@ -34,6 +34,10 @@ class InPlaceWrites:
             return link.staging.take_nowait()
 
         @self.ffi.def_extern()
+        def bc_give_slot(slot):
+            link.staging.give(slot)
+
+        @self.ffi.def_extern()
         def bc_write_to_python(req, ino, fh, off, slot, size):
             # Runs inside pyfuse3's loop, on the trio thread: never block, nothing may escape.
             try:
@@ -64,11 +68,11 @@ class InPlaceWrites:
         return None
 
     def stop(self) -> None:
-        """Back to pyfuse3's buffers; the slot the shim held returns to the pool."""
+        """Back to pyfuse3's buffers, once the session has ended; the slots the shim held
+        return to the pool."""
         if self.active:
             self.active = False
-            slot = self.lib.bc_receive_stop()
-            if slot >= 0:
+            while (slot := self.lib.bc_receive_stop()) >= 0:
                 self.link.staging.give(slot)
 
     def counts(self) -> dict:

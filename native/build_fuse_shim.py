@@ -38,6 +38,8 @@ int fuse_version(void);
 int bc_shim_state(void);
 int bc_receive_into(char *base, size_t slots, size_t stride, size_t payload);
 long bc_receive_stop(void);
+int bc_use_reader_thread(void);
+int bc_reader_state(void);
 unsigned long long bc_writes_in_place(void);
 unsigned long long bc_writes_copied(void);
 int fuse_reply_write(fuse_req_t req, size_t count);
@@ -46,6 +48,7 @@ extern "Python" void bc_ioctl_to_python(fuse_req_t req, fuse_ino_t ino, unsigned
                                         uint64_t fh, unsigned flags, const void *in_buf,
                                         size_t in_bufsz, size_t out_bufsz);
 extern "Python" long bc_take_slot(void);
+extern "Python" void bc_give_slot(long slot);
 extern "Python" void bc_write_to_python(fuse_req_t req, fuse_ino_t ino, uint64_t fh, off_t off,
                                         long slot, size_t size);
 """)
@@ -56,16 +59,18 @@ with open(os.path.join(HERE, "fuse_shim.c")) as f:
 ffi.set_source(
     "hostd._fuse_shim",
     "#define FUSE_USE_VERSION 35\n#define _GNU_SOURCE\n#include <dlfcn.h>\n#include <errno.h>\n"
-    "#include <string.h>\n#include <unistd.h>\n"
+    "#include <pthread.h>\n#include <signal.h>\n#include <stdint.h>\n#include <stdlib.h>\n"
+    "#include <string.h>\n#include <sys/eventfd.h>\n#include <unistd.h>\n"
     "#include <fuse_lowlevel.h>\n"
     "static void bc_ioctl_to_python(fuse_req_t, fuse_ino_t, unsigned int, uint64_t, unsigned,"
     " const void *, size_t, size_t);\n"
     "static long bc_take_slot(void);\n"
+    "static void bc_give_slot(long);\n"
     "static void bc_write_to_python(fuse_req_t, fuse_ino_t, uint64_t, off_t, long, size_t);\n"
     + _shim,
     extra_compile_args=_pkg_config("--cflags"),
     extra_link_args=_pkg_config("--libs")
-    + [f"-Wl,--version-script={os.path.join(HERE, 'fuse_shim.map')}", "-ldl"],
+    + [f"-Wl,--version-script={os.path.join(HERE, 'fuse_shim.map')}", "-ldl", "-lpthread"],
 )
 
 if __name__ == "__main__":

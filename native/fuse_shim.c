@@ -1,10 +1,11 @@
 /*
- * bluecache's shim between pyfuse3 and libfuse: the ioctl handler pyfuse3 lacks, and writes
- * received straight into hostd's staging slots.
+ * bluecache's shim between pyfuse3 and libfuse: the ioctl handler pyfuse3 lacks, writes
+ * received straight into hostd's staging slots, and a thread of its own reading /dev/fuse.
  *
- * pyfuse3 calls libfuse's fuse_session_new@FUSE_3.0, fuse_session_receive_buf@FUSE_3.0 and
- * fuse_session_process_buf@FUSE_3.0. This library, loaded RTLD_GLOBAL before pyfuse3, defines
- * those symbols (same names and versions, see fuse_shim.map) and calls the real ones.
+ * pyfuse3 calls libfuse's fuse_session_new, fuse_session_fd, fuse_session_receive_buf,
+ * fuse_session_process_buf, fuse_session_unmount and fuse_session_destroy (all @FUSE_3.0). This library, loaded
+ * RTLD_GLOBAL before pyfuse3, defines those symbols (same names and versions, see
+ * fuse_shim.map) and calls the real ones.
  *
  * ioctl: fuse_session_new copies pyfuse3's table of low-level operations, sets .ioctl and
  * hands each request to Python (bc_ioctl_to_python, a cffi "extern Python" function), which
@@ -12,20 +13,27 @@
  *
  * Writes in place: pyfuse3 reads every request into a buffer of its own and copies a write's
  * payload into a new bytes object, which hostd then copies into a staging slot. Once hostd
- * has called bc_receive_into(), each request is read from /dev/fuse into the receive slot
- * instead, placed so that a write's payload starts exactly at the slot's payload offset (the
+ * has called bc_receive_into(), requests are read from /dev/fuse into staging slots instead,
+ * placed so that a write's payload starts exactly at the slot's payload offset (the
  * FUSE_WRITE header, fuse_in_header + fuse_write_in, lies just before it). If the request is
  * a write, the slot now holds its bytes: bc_write_buf hands the slot to Python
- * (bc_write_to_python) and the next request is read into a fresh one. Any other request
- * leaves the slot for the next. The copy the kernel makes in read(2) is then the only one on
- * hostd's side. Whenever that cannot work (no free slot, a payload elsewhere than expected)
- * the request takes pyfuse3's own path: slower, never wrong. Counters of both ways are kept
- * for hostd's stats and the tests.
+ * (bc_write_to_python). Any other request gives the slot back for the next read. The copy
+ * the kernel makes in read(2) is then the only one on hostd's side. Whenever that cannot work
+ * (no free slot, a payload elsewhere than expected) the request takes pyfuse3's own path:
+ * slower, never wrong. Counters of both ways are kept for hostd's stats and the tests.
  *
- * Between pyfuse3's receive and process calls there is no await (pyfuse3's _session_loop),
- * so one receive slot serves all of pyfuse3's worker tasks. Every pyfuse3 handler converts its
- * arguments to Python objects before returning, so the slot may be read into again as soon as
- * fuse_session_process_buf returns.
+ * The reader thread (bc_use_reader_thread(), before pyfuse3.init): that copy in read(2) is
+ * most of what hostd's one event-loop thread does for a write (docs/benchmarks/mount.md). A
+ * thread of this library then does all the reading, ahead of the event loop, into a short
+ * queue; fuse_session_fd hands pyfuse3 an eventfd that is readable while the
+ * queue holds one, and fuse_session_receive_buf takes the next from the queue. Processing
+ * stays in pyfuse3's loop, in the order read. Without it, receive_buf reads inline as libfuse
+ * would.
+ *
+ * Between pyfuse3's receive and process calls there is no await (pyfuse3's _session_loop), so
+ * one "current request" serves all of pyfuse3's worker tasks. Every pyfuse3 handler converts
+ * its arguments to Python objects before returning, so a request's buffer may be read into
+ * again as soon as fuse_session_process_buf returns.
  *
  * libfuse 3.17 and newer reach these through differently versioned entry points: then this
  * shim is never called, bc_shim_state() stays 0 and hostd says so.
@@ -33,6 +41,17 @@
 
 /* Fixed by the FUSE protocol since 7.9: 40-byte fuse_in_header + 40-byte fuse_write_in. */
 #define BC_WRITE_HEADER 80
+/* Requests read ahead, each in a slot or a spare buffer. Two stages (reading, processing)
+ * need little: the reader waits while the queue is full. A short queue also holds few slots,
+ * and few requests the kernel forgets when the connection ends before they are answered. */
+#define BC_QUEUE 4
+/* The pool of staging slots kept free for reading into is topped up (by the event loop) to
+ * bc_pool_target: with the reader thread, one per request that can be out of it between two
+ * top-ups (a full queue, one being read, one being processed); without, one request is read
+ * at a time. Slots coming back from requests out can lift the pool to BC_POOL_MAX; the event
+ * loop hands any beyond the target back to hostd. */
+#define BC_POOL_MAX (2 * (BC_QUEUE + 2))
+#define BC_SPARES_MAX 16  /* libfuse-sized buffers kept for requests that get no slot */
 
 static void bc_ioctl(fuse_req_t req, fuse_ino_t ino, unsigned int cmd, void *arg,
                      struct fuse_file_info *fi, unsigned flags, const void *in_buf,
@@ -47,6 +66,8 @@ typedef struct fuse_session *(*bc_session_new_fn)(struct fuse_args *,
                                                  void *);
 typedef int (*bc_receive_fn)(struct fuse_session *, struct fuse_buf *);
 typedef void (*bc_process_fn)(struct fuse_session *, const struct fuse_buf *);
+typedef int (*bc_fd_fn)(struct fuse_session *);
+typedef void (*bc_session_fn)(struct fuse_session *);
 typedef void (*bc_write_buf_fn)(fuse_req_t, fuse_ino_t, struct fuse_bufvec *, off_t,
                                 struct fuse_file_info *);
 typedef void (*bc_init_fn)(void *, struct fuse_conn_info *);
@@ -55,21 +76,206 @@ static struct fuse_lowlevel_ops bc_patched_ops;
 static int bc_state; /* 0: not called, 1: ops patched, -1: table too new to patch */
 static bc_write_buf_fn bc_pyfuse3_write_buf;
 static bc_init_fn bc_pyfuse3_init;
+static bc_receive_fn bc_real_receive;
 
-/* The staging map, as hostd laid it out; base NULL until bc_receive_into(). */
+/* The staging map, as hostd laid it out; base NULL until bc_receive_into(). Event loop only. */
 static char *bc_base;
 static size_t bc_stride, bc_payload, bc_slots;
 
-static long bc_recv_slot = -1;              /* the slot requests are read into */
-static struct fuse_buf bc_recv_buf;         /* what the last read produced ... */
-static const struct fuse_buf *bc_recv_for;  /* ... and pyfuse3's buffer that stands for it */
-static int bc_processing;                   /* inside fuse_session_process_buf on it */
+/* A request read from /dev/fuse: into a staging slot (slot >= 0), or into a spare buffer. */
+struct bc_request {
+    struct fuse_buf buf; /* as libfuse filled it */
+    long slot;
+    int res;             /* receive_buf's result */
+};
+
+/* Shared by the reader thread and the event loop, under bc_lock. */
+static pthread_mutex_t bc_lock = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t bc_room = PTHREAD_COND_INITIALIZER; /* the queue has room */
+static long bc_pool[BC_POOL_MAX];
+static int bc_pool_n, bc_pool_target;
+static void *bc_spares[BC_SPARES_MAX];
+static int bc_spares_n;
+static struct bc_request bc_queue[BC_QUEUE];
+static int bc_queue_head, bc_queue_n;
+static int bc_stopping;
+
+static int bc_want_reader;   /* bc_use_reader_thread() was called */
+static int bc_event_fd = -1; /* readable while bc_queue_n > 0 */
+static pthread_t bc_reader;
+static int bc_reader_running, bc_reader_joinable;
+
+/* The event loop's current request (between receive and the end of process). */
+static struct bc_request bc_current;
+static const struct fuse_buf *bc_current_for; /* pyfuse3's buffer that stands for it */
+static long bc_current_slot = -1;             /* its slot while still the shim's */
+static int bc_processing;
 static unsigned long long bc_in_place, bc_copied; /* writes served each way */
 
 static char *bc_slot_payload(long slot)
 {
     return bc_base + (size_t)slot * bc_stride + bc_payload;
 }
+
+/* A buffer to read the next request into: a slot from the pool, else a spare (NULL mem:
+ * libfuse allocates one). */
+static struct bc_request bc_buffer_get(void)
+{
+    struct bc_request r = {.slot = -1};
+    pthread_mutex_lock(&bc_lock);
+    if (bc_pool_n > 0) {
+        r.slot = bc_pool[--bc_pool_n];
+    } else if (bc_spares_n > 0) {
+        r.buf.mem = bc_spares[--bc_spares_n];
+    }
+    pthread_mutex_unlock(&bc_lock);
+    if (r.slot >= 0)
+        r.buf.mem = bc_slot_payload(r.slot) - BC_WRITE_HEADER;
+    return r;
+}
+
+static void bc_buffer_put(struct bc_request *r)
+{
+    pthread_mutex_lock(&bc_lock);
+    if (r->slot >= 0) {
+        bc_pool[bc_pool_n++] = r->slot; /* it came from the pool: there is room (above) */
+    } else if (r->buf.mem != NULL) {
+        if (bc_spares_n < BC_SPARES_MAX) {
+            bc_spares[bc_spares_n++] = r->buf.mem;
+            r->buf.mem = NULL;
+        }
+    }
+    pthread_mutex_unlock(&bc_lock);
+    free(r->slot >= 0 ? NULL : r->buf.mem);
+}
+
+/* Event loop: tops the pool up from hostd's staging (a Python call, so never the reader). */
+static void bc_pool_fill(void)
+{
+    if (bc_base == NULL)
+        return;
+    for (;;) {
+        pthread_mutex_lock(&bc_lock);
+        int short_by = bc_pool_target - bc_pool_n;
+        pthread_mutex_unlock(&bc_lock);
+        if (short_by <= 0)
+            return;
+        long slot = bc_take_slot();
+        if (slot < 0 || (size_t)slot >= bc_slots)
+            return;
+        pthread_mutex_lock(&bc_lock);
+        bc_pool[bc_pool_n++] = slot; /* only this thread adds beyond what it took out */
+        pthread_mutex_unlock(&bc_lock);
+    }
+}
+
+static int bc_receive(struct fuse_session *se, struct bc_request *r)
+{
+    r->res = bc_real_receive(se, &r->buf);
+    return r->res;
+}
+
+/* ---- the reader thread ---- */
+
+#define BC_STOP_SIGNAL (SIGRTMIN + 5)
+
+static void bc_on_stop_signal(int sig)
+{
+    (void)sig; /* only here to make the reader's read(2) return EINTR */
+}
+
+static void bc_queue_push(struct bc_request *r)
+{
+    pthread_mutex_lock(&bc_lock);
+    while (bc_queue_n == BC_QUEUE && !bc_stopping)
+        pthread_cond_wait(&bc_room, &bc_lock);
+    if (bc_queue_n == BC_QUEUE) { /* stopping, and no room: drop it */
+        pthread_mutex_unlock(&bc_lock);
+        bc_buffer_put(r);
+        return;
+    }
+    bc_queue[(bc_queue_head + bc_queue_n++) % BC_QUEUE] = *r;
+    if (bc_queue_n == 1) {
+        uint64_t one = 1; /* readable from empty to non-empty; cleared when emptied */
+        while (write(bc_event_fd, &one, sizeof one) < 0 && errno == EINTR)
+            ;
+    }
+    pthread_mutex_unlock(&bc_lock);
+}
+
+static void *bc_reader_main(void *arg)
+{
+    struct fuse_session *se = arg;
+    sigset_t others;
+    sigfillset(&others);
+    sigdelset(&others, BC_STOP_SIGNAL); /* process signals are the event loop's business */
+    pthread_sigmask(SIG_SETMASK, &others, NULL);
+    for (;;) {
+        pthread_mutex_lock(&bc_lock);
+        int stopping = bc_stopping;
+        pthread_mutex_unlock(&bc_lock);
+        if (stopping)
+            break;
+        struct bc_request r = bc_buffer_get();
+        int res = bc_receive(se, &r);
+        if (res == -EINTR || res == -EAGAIN) {
+            bc_buffer_put(&r);
+            continue;
+        }
+        /* res 0: the session ended (libfuse set its exit flag, e.g. ENODEV on unmount);
+         * res < 0: a read error. Either goes to the event loop, which ends its loop. */
+        bc_queue_push(&r);
+        if (res <= 0)
+            break;
+    }
+    pthread_mutex_lock(&bc_lock);
+    bc_reader_running = 0;
+    pthread_mutex_unlock(&bc_lock);
+    return NULL;
+}
+
+static int bc_reader_start(struct fuse_session *se)
+{
+    struct sigaction sa = {.sa_handler = bc_on_stop_signal}; /* no SA_RESTART: EINTR */
+    sigemptyset(&sa.sa_mask);
+    bc_event_fd = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
+    if (bc_event_fd < 0 || sigaction(BC_STOP_SIGNAL, &sa, NULL) != 0)
+        return -1;
+    bc_reader_running = 1;
+    if (pthread_create(&bc_reader, NULL, bc_reader_main, se) != 0) {
+        bc_reader_running = 0;
+        return -1;
+    }
+    bc_reader_joinable = 1;
+    return 0;
+}
+
+/* Ends the reader before libfuse unmounts or frees the session; returns 0 once it has. Usually
+ * it already has (an unmount ends its read with ENODEV); else its read is interrupted. */
+static int bc_reader_stop(void)
+{
+    if (!bc_reader_joinable)
+        return 0;
+    pthread_mutex_lock(&bc_lock);
+    bc_stopping = 1;
+    pthread_cond_broadcast(&bc_room);
+    pthread_mutex_unlock(&bc_lock);
+    for (int tries = 0; tries < 200; tries++) { /* ~2 s */
+        pthread_mutex_lock(&bc_lock);
+        int running = bc_reader_running;
+        pthread_mutex_unlock(&bc_lock);
+        if (!running) {
+            pthread_join(bc_reader, NULL);
+            bc_reader_joinable = 0;
+            return 0;
+        }
+        pthread_kill(bc_reader, BC_STOP_SIGNAL);
+        usleep(10000);
+    }
+    return -1;
+}
+
+/* ---- libfuse entry points ---- */
 
 static void bc_init(void *userdata, struct fuse_conn_info *conn)
 {
@@ -84,11 +290,11 @@ static void bc_write_buf(fuse_req_t req, fuse_ino_t ino, struct fuse_bufvec *buf
                          struct fuse_file_info *fi)
 {
     const struct fuse_buf *b = &bufv->buf[0];
-    if (bc_processing && bc_recv_slot >= 0 && bufv->count == 1 && bufv->idx == 0 &&
+    if (bc_processing && bc_current_slot >= 0 && bufv->count == 1 && bufv->idx == 0 &&
         !(b->flags & FUSE_BUF_IS_FD) &&
-        (char *)b->mem + bufv->off == bc_slot_payload(bc_recv_slot)) {
-        long slot = bc_recv_slot;
-        bc_recv_slot = -1; /* Python owns it now */
+        (char *)b->mem + bufv->off == bc_slot_payload(bc_current_slot)) {
+        long slot = bc_current_slot;
+        bc_current_slot = -1; /* Python owns it now */
         bc_in_place++;
         bc_write_to_python(req, ino, fi->fh, off, slot, b->size - bufv->off);
         return;
@@ -104,9 +310,11 @@ struct fuse_session *fuse_session_new(struct fuse_args *args,
 {
     bc_session_new_fn real = (bc_session_new_fn)dlvsym(RTLD_NEXT, "fuse_session_new",
                                                         "FUSE_3.0");
+    bc_real_receive = (bc_receive_fn)dlvsym(RTLD_NEXT, "fuse_session_receive_buf",
+                                            "FUSE_3.0");
     if (real == NULL)
         return NULL;
-    if (op_size > sizeof(bc_patched_ops)) {
+    if (op_size > sizeof(bc_patched_ops) || bc_real_receive == NULL) {
         /* A newer table than these headers know: patching it would cut it short. */
         bc_state = -1;
         return real(args, op, op_size, userdata);
@@ -124,31 +332,69 @@ struct fuse_session *fuse_session_new(struct fuse_args *args,
     return real(args, &bc_patched_ops, sizeof(bc_patched_ops), userdata);
 }
 
+/* pyfuse3 asks once, right after mounting, for the fd to wait on: with the reader thread,
+ * the eventfd of its queue (and this is where the reader starts: the session is mounted). */
+__attribute__((visibility("default")))
+int fuse_session_fd(struct fuse_session *se)
+{
+    static bc_fd_fn real;
+    if (real == NULL)
+        real = (bc_fd_fn)dlvsym(RTLD_NEXT, "fuse_session_fd", "FUSE_3.0");
+    if (real == NULL)
+        return -1;
+    if (!bc_want_reader || bc_state != 1 || bc_pyfuse3_write_buf == NULL)
+        return real(se);
+    if (bc_event_fd < 0 && bc_reader_start(se) != 0) {
+        bc_want_reader = 0; /* hostd sees bc_reader_state() 0 and says so */
+        if (bc_event_fd >= 0)
+            close(bc_event_fd);
+        bc_event_fd = -1;
+        return real(se);
+    }
+    return bc_event_fd;
+}
+
 __attribute__((visibility("default")))
 int fuse_session_receive_buf(struct fuse_session *se, struct fuse_buf *buf)
 {
-    static bc_receive_fn real;
-    if (real == NULL)
-        real = (bc_receive_fn)dlvsym(RTLD_NEXT, "fuse_session_receive_buf", "FUSE_3.0");
-    if (real == NULL)
+    if (bc_real_receive == NULL)
+        bc_real_receive = (bc_receive_fn)dlvsym(RTLD_NEXT, "fuse_session_receive_buf",
+                                                "FUSE_3.0");
+    if (bc_real_receive == NULL)
         return -ENOSYS;
-    if (bc_base == NULL || bc_pyfuse3_write_buf == NULL)
-        return real(se, buf);
-    if (bc_recv_slot < 0) {
-        long slot = bc_take_slot();
-        bc_recv_slot = slot >= 0 && (size_t)slot < bc_slots ? slot : -1;
+    if (bc_pyfuse3_write_buf == NULL || (bc_base == NULL && !bc_reader_joinable))
+        return bc_real_receive(se, buf);
+    bc_pool_fill();
+    struct bc_request r;
+    if (bc_reader_joinable) {
+        pthread_mutex_lock(&bc_lock);
+        if (bc_queue_n == 0) { /* woken for nothing: pyfuse3 waits again on EINTR */
+            uint64_t n;
+            (void)!read(bc_event_fd, &n, sizeof n);
+            pthread_mutex_unlock(&bc_lock);
+            return -EINTR;
+        }
+        r = bc_queue[bc_queue_head];
+        bc_queue_head = (bc_queue_head + 1) % BC_QUEUE;
+        if (--bc_queue_n == 0) {
+            uint64_t n;
+            (void)!read(bc_event_fd, &n, sizeof n);
+        }
+        pthread_cond_signal(&bc_room);
+        pthread_mutex_unlock(&bc_lock);
+    } else {
+        r = bc_buffer_get();
+        bc_receive(se, &r);
     }
-    if (bc_recv_slot < 0) /* every slot is in flight: pyfuse3's buffer, and its copy */
-        return real(se, buf);
-    struct fuse_buf into = {.mem = bc_slot_payload(bc_recv_slot) - BC_WRITE_HEADER};
-    int res = real(se, &into);
-    if (res > 0) {
-        bc_recv_buf = into;
-        bc_recv_for = buf;
-        /* pyfuse3 looks at nothing but the result; its own buffer stays as it was (it frees
-         * it when the worker ends). */
+    if (r.res <= 0) {
+        bc_buffer_put(&r);
+        return r.res;
     }
-    return res;
+    bc_current = r;
+    bc_current_for = buf;
+    /* pyfuse3 looks at nothing but the result; its own buffer stays as it was (it frees it
+     * when the worker ends). */
+    return r.res;
 }
 
 __attribute__((visibility("default")))
@@ -159,15 +405,80 @@ void fuse_session_process_buf(struct fuse_session *se, const struct fuse_buf *bu
         real = (bc_process_fn)dlvsym(RTLD_NEXT, "fuse_session_process_buf", "FUSE_3.0");
     if (real == NULL)
         return;
-    if (bc_recv_for == NULL || buf != bc_recv_for) {
+    if (bc_current_for == NULL || buf != bc_current_for) {
         real(se, buf);
         return;
     }
-    struct fuse_buf received = bc_recv_buf;
-    bc_recv_for = NULL;
+    struct bc_request r = bc_current;
+    bc_current_for = NULL;
+    bc_current_slot = r.slot;
     bc_processing = 1;
-    real(se, &received);
+    real(se, &r.buf);
     bc_processing = 0;
+    if (r.slot >= 0 && bc_current_slot < 0)
+        return; /* a write handed the slot to Python */
+    bc_current_slot = -1;
+    if (r.slot >= 0) {
+        pthread_mutex_lock(&bc_lock);
+        int surplus = bc_pool_n >= bc_pool_target;
+        pthread_mutex_unlock(&bc_lock);
+        if (surplus) { /* not hoarded: hostd's reads and writes need slots too */
+            bc_give_slot(r.slot);
+            return;
+        }
+    }
+    bc_buffer_put(&r);
+}
+
+/* Requests read but never processed: their buffers return (slots to the pool, for hostd). */
+static void bc_drop_queue(void)
+{
+    pthread_mutex_lock(&bc_lock);
+    while (bc_queue_n > 0) {
+        struct bc_request r = bc_queue[bc_queue_head];
+        bc_queue_head = (bc_queue_head + 1) % BC_QUEUE;
+        bc_queue_n--;
+        pthread_mutex_unlock(&bc_lock);
+        bc_buffer_put(&r);
+        pthread_mutex_lock(&bc_lock);
+    }
+    pthread_mutex_unlock(&bc_lock);
+}
+
+/* pyfuse3.close() unmounts (unless the kernel ended the session already), then destroys the
+ * session. The reader must be gone before either: libfuse's unmount closes the /dev/fuse fd,
+ * whose number a reader still looping could then read from once reused. */
+__attribute__((visibility("default")))
+void fuse_session_unmount(struct fuse_session *se)
+{
+    static bc_session_fn real;
+    if (real == NULL)
+        real = (bc_session_fn)dlvsym(RTLD_NEXT, "fuse_session_unmount", "FUSE_3.0");
+    if (bc_reader_stop() != 0)
+        return; /* the reader still reads: leave the mount to hostd's own unmount */
+    if (real != NULL)
+        real(se);
+}
+
+__attribute__((visibility("default")))
+void fuse_session_destroy(struct fuse_session *se)
+{
+    static bc_session_fn real;
+    if (real == NULL)
+        real = (bc_session_fn)dlvsym(RTLD_NEXT, "fuse_session_destroy", "FUSE_3.0");
+    if (bc_reader_stop() != 0)
+        return; /* the reader still uses the session: leave it (hostd is exiting) */
+    bc_drop_queue();
+    pthread_mutex_lock(&bc_lock);
+    for (int i = 0; i < bc_spares_n; i++)
+        free(bc_spares[i]);
+    bc_spares_n = 0;
+    pthread_mutex_unlock(&bc_lock);
+    if (bc_event_fd >= 0)
+        close(bc_event_fd);
+    bc_event_fd = -1;
+    if (real != NULL)
+        real(se);
 }
 
 int bc_shim_state(void)
@@ -175,10 +486,29 @@ int bc_shim_state(void)
     return bc_state;
 }
 
+/* Before pyfuse3.init: read /dev/fuse in a thread of this library (see the top). Returns 0,
+ * or -1 where the shim does not serve pyfuse3 (nothing changes then). */
+int bc_use_reader_thread(void)
+{
+    if (bc_state == -1)
+        return -1;
+    bc_want_reader = 1;
+    return 0;
+}
+
+/* 1 while the reader thread reads for pyfuse3, 0 if it never started (or has ended). */
+int bc_reader_state(void)
+{
+    pthread_mutex_lock(&bc_lock);
+    int running = bc_reader_running;
+    pthread_mutex_unlock(&bc_lock);
+    return running;
+}
+
 /* Reads requests into hostd's staging from now on (see the top of this file). The map is
  * `slots` strides of `stride` bytes; a slot's payload starts `payload` bytes into its stride.
  * Returns 0, or -1 if the shim cannot do it (libfuse did not call it, or a read could run
- * past the slot's stride). */
+ * past the slot's stride). Event loop only. */
 int bc_receive_into(char *base, size_t slots, size_t stride, size_t payload)
 {
     /* libfuse < 3.17 reads up to FUSE_MAX_MAX_PAGES (256) pages + FUSE_BUFFER_HEADER_SIZE
@@ -190,18 +520,21 @@ int bc_receive_into(char *base, size_t slots, size_t stride, size_t payload)
     bc_stride = stride;
     bc_payload = payload;
     bc_slots = slots;
+    bc_pool_target = bc_reader_joinable ? BC_QUEUE + 2 : 2;
     bc_base = base;
     return 0;
 }
 
-/* Back to pyfuse3's buffers; returns the receive slot the shim held (or -1) for hostd to
- * reuse. Called between requests, never inside one. */
+/* Back to pyfuse3's buffers: returns one slot the shim held (or -1 when it holds none), for
+ * hostd to call until -1. Called once the session has ended (pyfuse3.close). */
 long bc_receive_stop(void)
 {
-    long slot = bc_recv_slot;
     bc_base = NULL;
-    bc_recv_slot = -1;
-    bc_recv_for = NULL;
+    long slot = -1;
+    pthread_mutex_lock(&bc_lock);
+    if (bc_pool_n > 0)
+        slot = bc_pool[--bc_pool_n];
+    pthread_mutex_unlock(&bc_lock);
     return slot;
 }
 

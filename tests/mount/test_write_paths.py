@@ -1,12 +1,16 @@
 """The ways a POSIX write reaches the cache, through a real mount: read by the kernel straight
 into a staging slot (mount.receive_in_place, the default: hostd copies nothing) or handed over
 by pyfuse3 and copied into a slot; answered once staged (write_ack: staged, the default) or once
-the daemon has the bytes (stored). Every combination must give the same bytes and errors."""
+the daemon has the bytes (stored); requests read from /dev/fuse by the fuse shim's reader
+thread (mount.reader_thread, the default) or by the event loop itself. Every combination must
+give the same bytes and errors."""
 
 import errno
 import mmap
 import os
 import random
+import re
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -14,12 +18,22 @@ from connectors import llmd_read, llmd_write
 from hostd.zerocopy import query
 from support import MiB, pattern
 
-PATHS = [(True, "staged"), (True, "stored"), (False, "staged"), (False, "stored")]
+# (receive_in_place, write_ack, reader_thread)
+PATHS = [(True, "staged", True), (True, "stored", True), (False, "staged", True),
+         (False, "stored", True), (True, "staged", False), (False, "staged", False)]
 
 
-def stack(mounted, in_place: bool, ack: str, **settings):
-    return mounted(hostd_settings={"mount.receive_in_place": in_place, "mount.write_ack": ack},
-                   **settings)
+def stack(mounted, in_place: bool, ack: str, reader: bool = True, **settings):
+    return mounted(hostd_settings={"mount.receive_in_place": in_place, "mount.write_ack": ack,
+                                   "mount.reader_thread": reader}, **settings)
+
+
+def writes_counted_at_stop(s) -> tuple[int, int]:
+    """Stops hostd; the writes it logged as received in place and as copied."""
+    assert s.hostd.stop(timeout=30) == 0
+    counts = re.findall(r"writes received in place: (\d+), copied: (\d+)", s.hostd.log.read_text())
+    assert len(counts) == 1, s.hostd.log.read_text()
+    return int(counts[0][0]), int(counts[0][1])
 
 
 def direct_store(path: str, data: bytes) -> None:
@@ -49,10 +63,10 @@ def copied_by_hostd(s) -> int:
     return query(str(probe))["hostd_bytes_copied"]
 
 
-@pytest.mark.parametrize("in_place,ack", PATHS)
+@pytest.mark.parametrize("in_place,ack,reader", PATHS)
 def test_connector_writes_round_trip_and_hostd_copies_only_without_in_place(mounted, in_place,
-                                                                            ack):
-    s = stack(mounted, in_place, ack)
+                                                                            ack, reader):
+    s = stack(mounted, in_place, ack, reader)
     root = str(s.mnt)
     before = copied_by_hostd(s)
     block = pattern("llmd", 8 * MiB + 12345)            # a last request shorter than 1 MiB
@@ -67,9 +81,9 @@ def test_connector_writes_round_trip_and_hostd_copies_only_without_in_place(moun
     assert direct_load(os.path.join(root, "vllm/0.bin"), len(direct)) == direct
 
 
-@pytest.mark.parametrize("in_place,ack", PATHS)
-def test_overlapping_writes_land_in_the_order_they_were_written(mounted, in_place, ack):
-    s = stack(mounted, in_place, ack)
+@pytest.mark.parametrize("in_place,ack,reader", PATHS)
+def test_overlapping_writes_land_in_the_order_they_were_written(mounted, in_place, ack, reader):
+    s = stack(mounted, in_place, ack, reader)
     path = os.path.join(str(s.mnt), "overlaps.bin")
     rng = random.Random(7)
     model = bytearray(4 * MiB)
@@ -115,3 +129,28 @@ def test_a_stored_write_reports_a_full_cache_at_the_write(mounted, in_place):
         os.close(held)
     with open(os.path.join(root, "held"), "rb") as f:
         assert f.read() == pattern("held", 6 * MiB)
+
+
+@pytest.mark.parametrize("reader", [True, False])
+def test_writes_from_many_threads_are_received_in_place_with_or_without_the_reader(mounted,
+                                                                                  reader):
+    # 16 writers at once: with the reader thread up to 16 writes wait in its queue, each in a
+    # slot of the shim's pool; none may fall back to pyfuse3's copy.
+    s = stack(mounted, True, "staged", reader)
+    root = str(s.mnt)
+    blocks = {f"t{t}/b{i}.bin": pattern(f"{t}.{i}", 3 * MiB + 4096 * t) for t in range(16)
+              for i in range(2)}
+
+    def writer(t):
+        for i in range(2):
+            name = f"t{t}/b{i}.bin"
+            assert llmd_write(root, name, blocks[name], f"w{t}")
+
+    with ThreadPoolExecutor(16) as pool:
+        list(pool.map(writer, range(16)))
+    for name, block in blocks.items():
+        assert llmd_read(root, name) == block
+    log = s.hostd.log.read_text()
+    assert ("requests are read from /dev/fuse in a thread of their own" in log) == reader
+    in_place, copied = writes_counted_at_stop(s)
+    assert in_place >= sum(len(b) for b in blocks.values()) // MiB and copied == 0
