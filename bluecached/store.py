@@ -472,6 +472,7 @@ class Store:
             self._set_size(node, length)
             node.mtime_ns = node.ctime_ns = self.clock()
             obj.version += 1
+        self.tiers.note_foreground_write()   # write-behind waits for a pause in STOREs too
         return length
 
     async def checksum(self, fh: int) -> tuple[int, Inode]:
