@@ -10,6 +10,9 @@ import mmap
 import os
 import random
 import re
+import signal
+import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -23,9 +26,11 @@ PATHS = [(True, "staged", True), (True, "stored", True), (False, "staged", True)
          (False, "stored", True), (True, "staged", False), (False, "staged", False)]
 
 
-def stack(mounted, in_place: bool, ack: str, reader: bool = True, **settings):
+def stack(mounted, in_place: bool, ack: str, reader: bool = True, slots: int = 128,
+          **settings):
     return mounted(hostd_settings={"mount.receive_in_place": in_place, "mount.write_ack": ack,
-                                   "mount.reader_thread": reader}, **settings)
+                                   "mount.reader_thread": reader, "mount.staging_slots": slots},
+                   **settings)
 
 
 def writes_counted_at_stop(s) -> tuple[int, int]:
@@ -154,3 +159,46 @@ def test_writes_from_many_threads_are_received_in_place_with_or_without_the_read
     assert ("requests are read from /dev/fuse in a thread of their own" in log) == reader
     in_place, copied = writes_counted_at_stop(s)
     assert in_place >= sum(len(b) for b in blocks.values()) // MiB and copied == 0
+
+
+@pytest.mark.parametrize("reader", [True, False])
+def test_writes_beyond_the_staging_slots_take_the_copy_path_and_lose_nothing(mounted, reader):
+    # bluecached is stopped (SIGSTOP, under hostd's 2 s ping timeout) while 80 writers each
+    # send a 1 MiB write answered once stored: each write holds its slot until the daemon has
+    # it, so no more than the 64 slots can be read in place. The rest must be read into the
+    # shim's spare buffers and take pyfuse3's copy, then wait for a slot; all bytes arrive.
+    s = stack(mounted, True, "stored", reader, slots=64, **{"tiers.dram.size": "256MiB"})
+    root = str(s.mnt)
+    writers = 80
+    blocks = [pattern(f"slot{i}", MiB) for i in range(writers)]
+    bufs = []
+    for block in blocks:   # page-aligned: each write is exactly one 1 MiB request
+        buf = mmap.mmap(-1, MiB)
+        buf[:] = block
+        bufs.append(buf)
+    fds = [os.open(os.path.join(root, f"w{i}"), os.O_WRONLY | os.O_CREAT, 0o644)
+           for i in range(writers)]
+    barrier = threading.Barrier(writers + 1)
+
+    def write(i):
+        barrier.wait()
+        assert os.pwrite(fds[i], bufs[i], 0) == MiB
+
+    threads = [threading.Thread(target=write, args=(i,)) for i in range(writers)]
+    for t in threads:
+        t.start()
+    os.kill(s.daemon.proc.pid, signal.SIGSTOP)
+    try:
+        barrier.wait()
+        time.sleep(1.0)
+    finally:
+        os.kill(s.daemon.proc.pid, signal.SIGCONT)
+    for t in threads:
+        t.join()
+    for fd in fds:
+        os.close(fd)
+    for i, block in enumerate(blocks):
+        with open(os.path.join(root, f"w{i}"), "rb") as f:
+            assert f.read() == block, i
+    in_place, copied = writes_counted_at_stop(s)
+    assert in_place + copied == writers and copied >= writers - 64   # 64: the slots
