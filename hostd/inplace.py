@@ -1,8 +1,9 @@
 """Writes received in place: the kernel reads each FUSE write straight into a staging slot.
 
 native/fuse_shim.c does the reading (see there for how); this module is its Python half. The
-shim asks `bc_take_slot` for the slot to read the next request into, and hands every write
-that landed there to `bc_write_to_python`, which passes it to the link (`write_in_slot`) and
+shim keeps a small pool of slots to read requests into, topped up with `bc_take_slot` and any
+surplus handed back with `bc_give_slot` (both on the trio thread), and hands every write that
+landed in a slot to `bc_write_to_python`, which passes it to the link (`write_in_slot`) and
 answers the kernel. hostd then copies no payload byte of a POSIX write: measured per GiB
 stored, this is the copy into a new bytes object (pyfuse3) and the copy from it into the slot
 (hostd) gone, and pyfuse3's handler task with them (docs/benchmarks/mount.md).
