@@ -39,13 +39,6 @@ def thread_cpu(pid: int) -> dict[str, float]:
     return out
 
 
-def machine_ticks() -> tuple[int, int]:
-    """(all ticks, idle + iowait ticks) from /proc/stat."""
-    with open("/proc/stat") as f:
-        v = [int(x) for x in f.readline().split()[1:]]
-    return sum(v), v[3] + v[4]
-
-
 def cores(after: dict, before: dict, seconds: float) -> list[float]:
     used = (after[t] - before.get(t, 0.0) for t in after)
     return sorted((round(u / seconds, 2) for u in used if u > 0.01), reverse=True)
@@ -86,16 +79,16 @@ def main() -> int:
         for r in range(args.rounds):
             data = mb.Dataset(args.files, BLOCK, r * 1000, base)
             hostd, daemon = bc.pids["hostd"], bc.pids["bluecached"]
-            h0, d0, m0 = thread_cpu(hostd), thread_cpu(daemon), machine_ticks()
+            h0, d0, m0 = thread_cpu(hostd), thread_cpu(daemon), mb.system_busy()
             store = mb.store_phase(mnt, data, args.threads)
-            h1, d1, m1 = thread_cpu(hostd), thread_cpu(daemon), machine_ticks()
+            h1, d1, m1 = thread_cpu(hostd), thread_cpu(daemon), mb.system_busy()
             seconds = store["seconds"]
             line = (f"round {r}{' (warm-up)' if r == 0 else ''}: store "
                     f"{mb.mib_s(args.files * BLOCK, seconds):7.0f} MiB/s, CPU-s/GiB hostd "
                     f"{(sum(h1.values()) - sum(h0.values())) / gib:.3f} bluecached "
                     f"{(sum(d1.values()) - sum(d0.values())) / gib:.3f}; cores per thread "
                     f"hostd {cores(h1, h0, seconds)} bluecached {cores(d1, d0, seconds)}; "
-                    f"machine busy {1 - (m1[1] - m0[1]) / max(1, m1[0] - m0[0]):.0%}")
+                    f"machine busy {(m1[0] - m0[0]) / max(1, m1[1] - m0[1]):.0%}")
             if args.load:
                 load = mb.load_phase(mnt, data, args.threads)
                 verified = data.verify_all()

@@ -75,6 +75,12 @@ typedef void (*bc_write_buf_fn)(fuse_req_t, fuse_ino_t, struct fuse_bufvec *, of
                                 struct fuse_file_info *);
 typedef void (*bc_init_fn)(void *, struct fuse_conn_info *);
 
+/* libfuse's own definition of one of the functions this library defines. */
+static void *bc_libfuse(const char *name)
+{
+    return dlvsym(RTLD_NEXT, name, "FUSE_3.0");
+}
+
 static struct fuse_lowlevel_ops bc_patched_ops;
 static int bc_state; /* 0: not called, 1: ops patched, -1: table too new to patch */
 static bc_write_buf_fn bc_pyfuse3_write_buf;
@@ -111,8 +117,7 @@ static int bc_reader_running, bc_reader_joinable;
 /* The event loop's current request (between receive and the end of process). */
 static struct bc_request bc_current;
 static const struct fuse_buf *bc_current_for; /* pyfuse3's buffer that stands for it */
-static long bc_current_slot = -1;             /* its slot while still the shim's */
-static int bc_processing;
+static long bc_current_slot = -1; /* its slot, while processed and still the shim's */
 static unsigned long long bc_in_place, bc_copied; /* writes served each way */
 
 static char *bc_slot_payload(long slot)
@@ -170,6 +175,18 @@ static void bc_pool_fill(void)
         bc_pool[bc_pool_n++] = slot; /* only this thread adds beyond what it took out */
         pthread_mutex_unlock(&bc_lock);
     }
+}
+
+/* Event loop: a processed request's slot back into the pool, unless the pool is full (0:
+ * hostd takes it back). */
+static int bc_pool_keep(long slot)
+{
+    pthread_mutex_lock(&bc_lock);
+    int keep = bc_pool_n < bc_pool_target;
+    if (keep)
+        bc_pool[bc_pool_n++] = slot;
+    pthread_mutex_unlock(&bc_lock);
+    return keep;
 }
 
 static int bc_receive(struct fuse_session *se, struct bc_request *r)
@@ -293,7 +310,7 @@ static void bc_write_buf(fuse_req_t req, fuse_ino_t ino, struct fuse_bufvec *buf
                          struct fuse_file_info *fi)
 {
     const struct fuse_buf *b = &bufv->buf[0];
-    if (bc_processing && bc_current_slot >= 0 && bufv->count == 1 && bufv->idx == 0 &&
+    if (bc_current_slot >= 0 && bufv->count == 1 && bufv->idx == 0 &&
         !(b->flags & FUSE_BUF_IS_FD) &&
         (char *)b->mem + bufv->off == bc_slot_payload(bc_current_slot)) {
         long slot = bc_current_slot;
@@ -311,10 +328,8 @@ struct fuse_session *fuse_session_new(struct fuse_args *args,
                                       const struct fuse_lowlevel_ops *op, size_t op_size,
                                       void *userdata)
 {
-    bc_session_new_fn real = (bc_session_new_fn)dlvsym(RTLD_NEXT, "fuse_session_new",
-                                                        "FUSE_3.0");
-    bc_real_receive = (bc_receive_fn)dlvsym(RTLD_NEXT, "fuse_session_receive_buf",
-                                            "FUSE_3.0");
+    bc_session_new_fn real = (bc_session_new_fn)bc_libfuse("fuse_session_new");
+    bc_real_receive = (bc_receive_fn)bc_libfuse("fuse_session_receive_buf");
     if (real == NULL)
         return NULL;
     if (op_size > sizeof(bc_patched_ops) || bc_real_receive == NULL) {
@@ -342,7 +357,7 @@ int fuse_session_fd(struct fuse_session *se)
 {
     static bc_fd_fn real;
     if (real == NULL)
-        real = (bc_fd_fn)dlvsym(RTLD_NEXT, "fuse_session_fd", "FUSE_3.0");
+        real = (bc_fd_fn)bc_libfuse("fuse_session_fd");
     if (real == NULL)
         return -1;
     if (!bc_want_reader || bc_state != 1 || bc_pyfuse3_write_buf == NULL)
@@ -361,8 +376,7 @@ __attribute__((visibility("default")))
 int fuse_session_receive_buf(struct fuse_session *se, struct fuse_buf *buf)
 {
     if (bc_real_receive == NULL)
-        bc_real_receive = (bc_receive_fn)dlvsym(RTLD_NEXT, "fuse_session_receive_buf",
-                                                "FUSE_3.0");
+        bc_real_receive = (bc_receive_fn)bc_libfuse("fuse_session_receive_buf");
     if (bc_real_receive == NULL)
         return -ENOSYS;
     if (bc_pyfuse3_write_buf == NULL || (bc_base == NULL && !bc_reader_joinable))
@@ -405,7 +419,7 @@ void fuse_session_process_buf(struct fuse_session *se, const struct fuse_buf *bu
 {
     static bc_process_fn real;
     if (real == NULL)
-        real = (bc_process_fn)dlvsym(RTLD_NEXT, "fuse_session_process_buf", "FUSE_3.0");
+        real = (bc_process_fn)bc_libfuse("fuse_session_process_buf");
     if (real == NULL)
         return;
     if (bc_current_for == NULL || buf != bc_current_for) {
@@ -415,22 +429,14 @@ void fuse_session_process_buf(struct fuse_session *se, const struct fuse_buf *bu
     struct bc_request r = bc_current;
     bc_current_for = NULL;
     bc_current_slot = r.slot;
-    bc_processing = 1;
     real(se, &r.buf);
-    bc_processing = 0;
     if (r.slot >= 0 && bc_current_slot < 0)
         return; /* a write handed the slot to Python */
     bc_current_slot = -1;
-    if (r.slot >= 0) {
-        pthread_mutex_lock(&bc_lock);
-        int surplus = bc_pool_n >= bc_pool_target;
-        pthread_mutex_unlock(&bc_lock);
-        if (surplus) { /* not hoarded: hostd's reads and writes need slots too */
-            bc_give_slot(r.slot);
-            return;
-        }
-    }
-    bc_buffer_put(&r);
+    if (r.slot < 0)
+        bc_buffer_put(&r);
+    else if (!bc_pool_keep(r.slot))
+        bc_give_slot(r.slot); /* not hoarded: hostd's reads and writes need slots too */
 }
 
 /* Requests read but never processed: their buffers return (slots to the pool, for hostd). */
@@ -456,7 +462,7 @@ void fuse_session_unmount(struct fuse_session *se)
 {
     static bc_session_fn real;
     if (real == NULL)
-        real = (bc_session_fn)dlvsym(RTLD_NEXT, "fuse_session_unmount", "FUSE_3.0");
+        real = (bc_session_fn)bc_libfuse("fuse_session_unmount");
     if (bc_reader_stop() != 0)
         return; /* the reader still reads: leave the mount to hostd's own unmount */
     if (real != NULL)
@@ -468,7 +474,7 @@ void fuse_session_destroy(struct fuse_session *se)
 {
     static bc_session_fn real;
     if (real == NULL)
-        real = (bc_session_fn)dlvsym(RTLD_NEXT, "fuse_session_destroy", "FUSE_3.0");
+        real = (bc_session_fn)bc_libfuse("fuse_session_destroy");
     if (bc_reader_stop() != 0)
         return; /* the reader still uses the session: leave it (hostd is exiting) */
     bc_drop_queue();
