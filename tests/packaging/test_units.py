@@ -124,3 +124,37 @@ def test_dpu_dropin_drops_the_dependency_on_bluecached():
     assert s["Unit.Requires"] == [""]
     assert s["Unit.After"][0] == ""
     assert not any("bluecached" in v for v in s["Unit.After"])
+
+
+# The CUDA drop-in opens /dev and /proc to the NVIDIA driver: 2.1 when written.
+BLUECACHED_CUDA_MAX_EXPOSURE = 25
+
+
+@pytest.fixture
+def cuda_dropin(units):
+    """bluecached.service with the CUDA drop-in beside it (systemd-analyze reads <unit>.d/)."""
+    unit = units["bluecached.service"]
+    dropins = unit.parent / "bluecached.service.d"
+    dropins.mkdir()
+    (dropins / "cuda.conf").write_text((UNITS / "bluecached-cuda.conf").read_text())
+    return unit, dropins / "cuda.conf"
+
+
+def test_cuda_dropin_verifies_and_keeps_the_sandbox(cuda_dropin):
+    unit, dropin = cuda_dropin
+    r = _run("verify", "--man=no", str(unit))
+    assert r.returncode == 0 and not r.stderr.strip() and not r.stdout.strip(), r.stdout + r.stderr
+    r = _run("--offline=true", "security", f"--threshold={BLUECACHED_CUDA_MAX_EXPOSURE}",
+             str(unit))
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr
+    assert "char-nvidia*:rw" in r.stdout          # the drop-in was read, not just the unit
+    dropin.write_text(dropin.read_text().replace("ProcSubset=", "ProcSubsett="))
+    assert "ProcSubsett" in _run("verify", "--man=no", str(unit)).stderr
+
+
+def test_cuda_dropin_opens_only_the_nvidia_devices():
+    s = _settings(UNITS / "bluecached-cuda.conf")
+    assert s["Service.PrivateDevices"] == ["no"]
+    assert s["Service.DeviceAllow"] == ["char-nvidia* rw"]
+    assert "Service.DevicePolicy" not in s          # the main unit's "closed" stays
+    assert "Service.CapabilityBoundingSet" not in s
