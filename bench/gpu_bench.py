@@ -184,15 +184,14 @@ def main() -> int:
         daemon.stop()
         force_unmount(work / "mnt")
         shutil.rmtree(work, ignore_errors=True)
+    def ratio(phase: str, baseline: str) -> float:
+        return round(results["ioctl"][phase] / results[baseline][phase], 2)
+
     ratios = {
-        "ioctl_store_vs_cumemcpy_dtoh": round(results["ioctl"]["store_mib_s"]
-                                              / results["cumemcpy"]["store_mib_s"], 2),
-        "ioctl_load_vs_cumemcpy_htod": round(results["ioctl"]["load_mib_s"]
-                                             / results["cumemcpy"]["load_mib_s"], 2),
-        "ioctl_store_vs_posix_pinned": round(results["ioctl"]["store_mib_s"]
-                                             / results["posix_pinned"]["store_mib_s"], 2),
-        "ioctl_load_vs_posix_pinned": round(results["ioctl"]["load_mib_s"]
-                                            / results["posix_pinned"]["load_mib_s"], 2),
+        "ioctl_store_vs_cumemcpy_dtoh": ratio("store_mib_s", "cumemcpy"),
+        "ioctl_load_vs_cumemcpy_htod": ratio("load_mib_s", "cumemcpy"),
+        "ioctl_store_vs_posix_pinned": ratio("store_mib_s", "posix_pinned"),
+        "ioctl_load_vs_posix_pinned": ratio("load_mib_s", "posix_pinned"),
     }
     targets_met = {
         "ioctl store >= 0.8x cuMemcpy DtoH": ratios["ioctl_store_vs_cumemcpy_dtoh"] >= 0.8,
