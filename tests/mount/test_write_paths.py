@@ -193,8 +193,11 @@ def test_writes_beyond_the_staging_slots_take_the_copy_path_and_lose_nothing(mou
         time.sleep(1.0)
     finally:
         os.kill(s.daemon.proc.pid, signal.SIGCONT)
+    deadline = time.monotonic() + 120       # a lost request must fail the test, not hang it
     for t in threads:
-        t.join()
+        t.join(timeout=max(0.0, deadline - time.monotonic()))
+    stuck = [i for i, t in enumerate(threads) if t.is_alive()]
+    assert not stuck, f"writes never answered: {stuck}"
     for fd in fds:
         os.close(fd)
     for i, block in enumerate(blocks):
