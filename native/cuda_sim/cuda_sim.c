@@ -12,6 +12,9 @@
  *    reserved PROT_NONE, so the CPU faults on it as it does on a real device pointer; the bytes
  *    live in a separate mapping only this library touches.
  *  - copies check that the device span lies inside one allocation (CUDA_ERROR_INVALID_VALUE).
+ *  - asynchronous copies on a stream are queued and done only when the stream (or the context)
+ *    is synchronised or destroyed: a caller that reads the bytes without waiting sees stale
+ *    ones, as it might on hardware. The NULL stream copies at once.
  *  - IPC: cuIpcGetMemHandle wants an allocation's base; the 64-byte handle names the exporting
  *    process, its memfd and a random tag. cuIpcOpenMemHandle in another process takes that
  *    memfd with pidfd_getfd (needs ptrace rights over the exporter, as the DOCA simulator
@@ -44,6 +47,7 @@ typedef int CUdevice;
 typedef unsigned long long CUdeviceptr;
 typedef struct sim_context *CUcontext;
 typedef struct { char reserved[64]; } CUipcMemHandle;
+typedef struct sim_stream *CUstream;
 
 enum {
 	CUDA_SUCCESS = 0,
@@ -105,11 +109,25 @@ struct allocation {
 
 struct host_range { char *start; size_t size; int pinned_alloc; struct host_range *next; };
 
+struct pending_copy {
+	CUdeviceptr device;
+	void *host;
+	size_t n;
+	int to_host;
+	struct pending_copy *next;
+};
+
+struct sim_stream {
+	struct pending_copy *head, **tail;
+	struct sim_stream *next;
+};
+
 static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
 static int initialized, device_count = 1;
 static struct sim_context *primary;          /* one per device, made by cuInit */
 static struct allocation *allocations;
 static struct host_range *host_ranges;
+static struct sim_stream *streams;
 static __thread CUcontext current;
 
 static CUresult need_context(void)
@@ -282,9 +300,23 @@ CUresult cuCtxGetCurrent(CUcontext *context)
 	return CUDA_SUCCESS;
 }
 
+static CUresult stream_run(CUstream stream);
+
 CUresult cuCtxSynchronize(void)
 {
-	return need_context();  /* copies here are synchronous: nothing is ever pending */
+	CUresult r = need_context();
+	if (r)
+		return r;
+	pthread_mutex_lock(&lock);
+	struct sim_stream *all = streams; /* a stream is destroyed only after its last use */
+	pthread_mutex_unlock(&lock);
+	CUresult first = CUDA_SUCCESS;
+	for (struct sim_stream *st = all; st; st = st->next) {
+		CUresult e = stream_run(st);
+		if (!first)
+			first = e;
+	}
+	return first;
 }
 
 /* -- device memory ------------------------------------------------------------------------- */
@@ -384,6 +416,109 @@ CUresult cuMemcpyDtoH(void *host, CUdeviceptr device, size_t n)
 CUresult cuMemcpyHtoD(CUdeviceptr device, const void *host, size_t n)
 {
 	return copy(device, (void *)host, n, 0);
+}
+
+/* -- streams: queued copies, done when waited for --------------------------------------------- */
+
+CUresult cuStreamCreate(CUstream *stream, unsigned int flags)
+{
+	(void)flags;
+	CUresult r = need_context();
+	if (r)
+		return r;
+	if (!stream)
+		return CUDA_ERROR_INVALID_VALUE;
+	struct sim_stream *st = calloc(1, sizeof(*st));
+	if (!st)
+		return CUDA_ERROR_OUT_OF_MEMORY;
+	st->tail = &st->head;
+	pthread_mutex_lock(&lock);
+	st->next = streams;
+	streams = st;
+	pthread_mutex_unlock(&lock);
+	*stream = st;
+	return CUDA_SUCCESS;
+}
+
+/* Does the stream's queued copies in order; the first error, and the rest are dropped. */
+static CUresult stream_run(CUstream stream)
+{
+	pthread_mutex_lock(&lock);
+	struct pending_copy *p = stream->head;
+	stream->head = NULL;
+	stream->tail = &stream->head;
+	pthread_mutex_unlock(&lock);
+	CUresult first = CUDA_SUCCESS;
+	while (p) {
+		struct pending_copy *next = p->next;
+		if (!first)
+			first = copy(p->device, p->host, p->n, p->to_host);
+		free(p);
+		p = next;
+	}
+	return first;
+}
+
+CUresult cuStreamSynchronize(CUstream stream)
+{
+	CUresult r = need_context();
+	if (r)
+		return r;
+	return stream ? stream_run(stream) : CUDA_SUCCESS;
+}
+
+CUresult cuStreamDestroy(CUstream stream)
+{
+	CUresult r = need_context();
+	if (r)
+		return r;
+	if (!stream)
+		return CUDA_ERROR_INVALID_VALUE;
+	stream_run(stream);   /* as the driver does: queued work completes first */
+	pthread_mutex_lock(&lock);
+	for (struct sim_stream **p = &streams; *p; p = &(*p)->next)
+		if (*p == stream) {
+			*p = stream->next;
+			break;
+		}
+	pthread_mutex_unlock(&lock);
+	free(stream);
+	return CUDA_SUCCESS;
+}
+
+static CUresult enqueue(CUstream stream, CUdeviceptr device, void *host, size_t n, int to_host)
+{
+	CUresult r = need_context();
+	if (r)
+		return r;
+	if (!stream)
+		return copy(device, host, n, to_host);
+	if (!host && n)
+		return CUDA_ERROR_INVALID_VALUE;
+	pthread_mutex_lock(&lock);
+	int inside = find_span(device, n ? n : 1) != NULL;
+	pthread_mutex_unlock(&lock);
+	if (!inside)
+		return CUDA_ERROR_INVALID_VALUE;
+	struct pending_copy *p = calloc(1, sizeof(*p));
+	if (!p)
+		return CUDA_ERROR_OUT_OF_MEMORY;
+	*p = (struct pending_copy){.device = device, .host = host, .n = n, .to_host = to_host};
+	pthread_mutex_lock(&lock);
+	*stream->tail = p;
+	stream->tail = &p->next;
+	pthread_mutex_unlock(&lock);
+	return CUDA_SUCCESS;
+}
+
+CUresult cuMemcpyDtoHAsync(void *host, CUdeviceptr device, size_t n, CUstream stream)
+{
+	return enqueue(stream, device, host, n, 1);
+}
+
+CUresult cuMemcpyHtoDAsync(CUdeviceptr device, const void *host, size_t n, CUstream stream)
+{
+	return enqueue(stream, device, (void *)host, n, 0);
 }
 
 CUresult cuMemGetHandleForAddressRange(void *handle, CUdeviceptr address, size_t size,
@@ -638,6 +773,9 @@ static const struct { const char *name; void *fn; int since; } entries[] = {
 	ENTRY(cuCtxSetCurrent, 4000), ENTRY(cuCtxGetCurrent, 4000), ENTRY(cuCtxSynchronize, 2000),
 	ENTRY(cuMemAlloc, 3020), ENTRY(cuMemFree, 3020), ENTRY(cuMemGetAddressRange, 3020),
 	ENTRY(cuMemcpyDtoH, 3020), ENTRY(cuMemcpyHtoD, 3020),
+	ENTRY(cuMemcpyDtoHAsync, 3020), ENTRY(cuMemcpyHtoDAsync, 3020),
+	ENTRY(cuStreamCreate, 2000), ENTRY(cuStreamDestroy, 4000),
+	ENTRY(cuStreamSynchronize, 2000),
 	ENTRY(cuMemGetHandleForAddressRange, 11070),
 	ENTRY(cuIpcGetMemHandle, 4010), ENTRY(cuIpcOpenMemHandle, 11000),
 	ENTRY(cuIpcCloseMemHandle, 4010),
