@@ -38,3 +38,27 @@ def test_every_other_record_passes_unchanged(record):
     level = record.levelno
     assert answer_to_a_gone_connection(record) is True
     assert record.levelno == level
+
+
+def test_hostd_main_installs_the_filter(tmp_path):
+    """hostd's main() wires the filter into pyfuse3's logger: a gone connection's record stays
+    out of its log, another refused answer stays in (main runs with trio.run stubbed out)."""
+    import subprocess
+    import sys
+    cfg = tmp_path / "hostd.yaml"
+    cfg.write_text("{}\n")
+    script = f"""
+import errno, logging, os, sys
+import hostd.daemon as d
+def fake_run(*args, **kwargs):
+    log = logging.getLogger("pyfuse3")
+    log.error("fuse_release(): fuse_reply_* failed with %s", os.strerror(errno.ENOENT))
+    log.error("fuse_write(): fuse_reply_* failed with %s", os.strerror(errno.EINVAL))
+d.trio.run = fake_run
+sys.exit(d.main(["--config", {str(cfg)!r}]))
+"""
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert "fuse_write(): fuse_reply_* failed with " + os.strerror(errno.EINVAL) in r.stderr
+    assert os.strerror(errno.ENOENT) not in r.stderr
