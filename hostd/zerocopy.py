@@ -113,8 +113,23 @@ def _describe_cuda(cai: dict) -> abi.Xfer:
     handle = _cuda_call(driver, driver.cuIpcGetMemHandle(base),
                         "cuIpcGetMemHandle (IPC needs memory from cudaMalloc/cuMemAlloc; "
                         "not cudaMallocAsync pools or PyTorch expandable segments)")
+    _wait_for_stream(driver, cai.get("stream"))
     return abi.Xfer(mem_kind=abi.MEM_CUDA_IPC, mem_offset=ptr - int(base), length=length,
                     cuda_ipc_handle=_handle_bytes(handle))
+
+
+def _wait_for_stream(driver, stream) -> None:
+    """__cuda_array_interface__ v3: a consumer must order itself after the producer's stream.
+    The cache copies in another process, on streams of its own, so the work queued on the
+    tensor's stream (the kernels writing a block to STORE, or still reading a LOAD's target)
+    must be done before the ioctl: wait for it here. None: the producer needs no ordering."""
+    if stream is None:
+        return
+    if isinstance(stream, bool) or not isinstance(stream, int) or stream == 0:
+        # v3 forbids 0 (ambiguous: 1 is the legacy default stream, 2 the per-thread one)
+        raise UnsupportedMemory(f"__cuda_array_interface__ stream {stream!r} is not a stream")
+    _cuda_call(driver, driver.cuStreamSynchronize(driver.CUstream(stream)),
+               "cuStreamSynchronize (the stream named by __cuda_array_interface__)")
 
 
 def _cuda_driver():

@@ -14,7 +14,9 @@
  *  - copies check that the device span lies inside one allocation (CUDA_ERROR_INVALID_VALUE).
  *  - asynchronous copies on a stream are queued and done only when the stream (or the context)
  *    is synchronised or destroyed: a caller that reads the bytes without waiting sees stale
- *    ones, as it might on hardware. The NULL stream copies at once.
+ *    ones, as it might on hardware. The NULL stream and the two default-stream handles
+ *    (CU_STREAM_LEGACY 0x1, CU_STREAM_PER_THREAD 0x2) copy at once; any other stream must be
+ *    one cuStreamCreate made and not yet destroyed (CUDA_ERROR_INVALID_HANDLE).
  *  - IPC: cuIpcGetMemHandle wants an allocation's base; the 64-byte handle names the exporting
  *    process, its memfd and a random tag. cuIpcOpenMemHandle in another process takes that
  *    memfd with pidfd_getfd (needs ptrace rights over the exporter, as the DOCA simulator
@@ -58,6 +60,7 @@ enum {
 	CUDA_ERROR_INVALID_DEVICE = 101,
 	CUDA_ERROR_INVALID_CONTEXT = 201,
 	CUDA_ERROR_MAP_FAILED = 205,
+	CUDA_ERROR_INVALID_HANDLE = 400,
 	CUDA_ERROR_NOT_FOUND = 500,
 	CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED = 712,
 	CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED = 713,
@@ -73,6 +76,7 @@ static const struct { CUresult code; const char *name, *text; } errors[] = {
 	{CUDA_ERROR_INVALID_DEVICE, "CUDA_ERROR_INVALID_DEVICE", "invalid device ordinal"},
 	{CUDA_ERROR_INVALID_CONTEXT, "CUDA_ERROR_INVALID_CONTEXT", "invalid device context"},
 	{CUDA_ERROR_MAP_FAILED, "CUDA_ERROR_MAP_FAILED", "mapping of buffer object failed"},
+	{CUDA_ERROR_INVALID_HANDLE, "CUDA_ERROR_INVALID_HANDLE", "invalid resource handle"},
 	{CUDA_ERROR_NOT_FOUND, "CUDA_ERROR_NOT_FOUND", "named symbol not found"},
 	{CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED, "CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED",
 	 "part or all of the requested memory range is already mapped"},
@@ -440,6 +444,22 @@ CUresult cuStreamCreate(CUstream *stream, unsigned int flags)
 	return CUDA_SUCCESS;
 }
 
+/* The NULL stream or a default-stream handle: no queue, copies happen at once. */
+static int default_stream(CUstream stream)
+{
+	return (uintptr_t)stream <= 2;
+}
+
+static int stream_known(CUstream stream)
+{
+	int known = 0;
+	pthread_mutex_lock(&lock);
+	for (struct sim_stream *st = streams; st && !known; st = st->next)
+		known = st == stream;
+	pthread_mutex_unlock(&lock);
+	return known;
+}
+
 /* Does the stream's queued copies in order; the first error, and the rest are dropped. */
 static CUresult stream_run(CUstream stream)
 {
@@ -464,7 +484,9 @@ CUresult cuStreamSynchronize(CUstream stream)
 	CUresult r = need_context();
 	if (r)
 		return r;
-	return stream ? stream_run(stream) : CUDA_SUCCESS;
+	if (default_stream(stream))
+		return CUDA_SUCCESS;
+	return stream_known(stream) ? stream_run(stream) : CUDA_ERROR_INVALID_HANDLE;
 }
 
 CUresult cuStreamDestroy(CUstream stream)
@@ -472,8 +494,8 @@ CUresult cuStreamDestroy(CUstream stream)
 	CUresult r = need_context();
 	if (r)
 		return r;
-	if (!stream)
-		return CUDA_ERROR_INVALID_VALUE;
+	if (default_stream(stream) || !stream_known(stream))
+		return CUDA_ERROR_INVALID_HANDLE;
 	stream_run(stream);   /* as the driver does: queued work completes first */
 	pthread_mutex_lock(&lock);
 	for (struct sim_stream **p = &streams; *p; p = &(*p)->next)
@@ -491,8 +513,10 @@ static CUresult enqueue(CUstream stream, CUdeviceptr device, void *host, size_t 
 	CUresult r = need_context();
 	if (r)
 		return r;
-	if (!stream)
+	if (default_stream(stream))
 		return copy(device, host, n, to_host);
+	if (!stream_known(stream))
+		return CUDA_ERROR_INVALID_HANDLE;
 	if (!host && n)
 		return CUDA_ERROR_INVALID_VALUE;
 	pthread_mutex_lock(&lock);

@@ -15,7 +15,7 @@ import threading
 import pytest
 
 from hostd import ioctl_abi as abi
-from hostd.zerocopy import _handle_bytes, load_into, query, store_from
+from hostd.zerocopy import UnsupportedMemory, _handle_bytes, load_into, query, store_from
 from support import MiB, pattern
 
 pytestmark = pytest.mark.gpu
@@ -35,11 +35,15 @@ class DeviceBuffer:
         self.base = int(_ok(cu, cu.cuMemAlloc(size)))
         self.ptr = self.base + offset
         self.length = size - offset if length is None else length
+        self.stream = None     # as torch names its current stream (v3): the consumer waits
 
     @property
     def __cuda_array_interface__(self):
-        return {"shape": (self.length,), "typestr": "|u1", "data": (self.ptr, False),
-                "version": 3, "strides": None}
+        cai = {"shape": (self.length,), "typestr": "|u1", "data": (self.ptr, False),
+               "version": 3, "strides": None}
+        if self.stream is not None:
+            cai["stream"] = self.stream
+        return cai
 
     def write(self, data: bytes) -> None:
         self.cu.cuCtxSynchronize()
@@ -87,6 +91,7 @@ def test_a_tensor_inside_a_larger_allocation(cu, mounted):
         whole.write(data)
         inner = DeviceBuffer.__new__(DeviceBuffer)
         inner.cu, inner.base, inner.ptr, inner.length = cu, whole.base, whole.base + 3 * MiB, MiB
+        inner.stream = None
         assert store_from(path, inner) == MiB
         with open(path, "rb") as f:
             assert f.read() == data[3 * MiB:4 * MiB]
@@ -255,3 +260,42 @@ def test_device_stores_and_posix_reads_mixed_on_one_file(cu, mounted):
     finally:
         stop.set()
         src.free()
+
+
+def test_the_tensors_stream_is_waited_for_before_store_and_load(cu, mounted):
+    """Work still queued on the stream __cuda_array_interface__ names (a producer's copy into
+    the block; a copy into a LOAD's target) ends before the cache touches the memory: the
+    STORE holds the produced bytes, the LOAD's bytes are not overwritten afterwards. (On the
+    simulator queued copies wait for a synchronise, so the missing wait shows every time.)"""
+    s = mounted()
+    stream = _ok(cu, cu.cuStreamCreate(cu.CUstream_flags.CU_STREAM_NON_BLOCKING))
+    buf = DeviceBuffer(cu, 2 * MiB)
+    buf.stream = int(stream)
+    produced, stale, stored = (pattern(n, 2 * MiB) for n in ("produced", "stale", "stored"))
+    try:
+        buf.write(bytes(2 * MiB))
+        _ok(cu, cu.cuMemcpyHtoDAsync(cu.CUdeviceptr(buf.ptr), produced, 2 * MiB, stream))
+        assert store_from(str(s.mnt / "produced.bin"), buf) == 2 * MiB
+        assert (s.mnt / "produced.bin").read_bytes() == produced
+
+        (s.mnt / "stored.bin").write_bytes(stored)
+        _ok(cu, cu.cuMemcpyHtoDAsync(cu.CUdeviceptr(buf.ptr), stale, 2 * MiB, stream))
+        assert load_into(str(s.mnt / "stored.bin"), buf) == 2 * MiB
+        _ok(cu, cu.cuStreamSynchronize(stream))
+        assert buf.read() == stored
+    finally:
+        buf.free()
+        cu.cuStreamDestroy(stream)
+
+
+@pytest.mark.parametrize("stream", [0, True, "1"])
+def test_a_stream_that_is_not_one_is_refused_in_the_caller(cu, mounted, stream):
+    s = mounted()
+    buf = DeviceBuffer(cu, MiB)
+    buf.stream = stream
+    try:
+        with pytest.raises(UnsupportedMemory, match="stream"):
+            store_from(str(s.mnt / "x.bin"), buf)
+        assert not (s.mnt / "x.bin").exists()
+    finally:
+        buf.free()
