@@ -12,6 +12,7 @@ IPC handle is made here, in the caller's process). Anything else raises Unsuppor
 ordinary process memory cannot be handed over without a copy.
 """
 
+import contextlib
 import ctypes
 import fcntl
 import os
@@ -107,15 +108,37 @@ def _describe_cuda(cai: dict) -> abi.Xfer:
         length *= dim
     if ptr == 0 or length == 0:
         raise UnsupportedMemory("empty CUDA memory")
-    # The handle names the whole allocation; the offset says where in it the tensor starts.
-    base, _size = _cuda_call(driver, driver.cuMemGetAddressRange(driver.CUdeviceptr(ptr)),
-                             "cuMemGetAddressRange")
-    handle = _cuda_call(driver, driver.cuIpcGetMemHandle(base),
-                        "cuIpcGetMemHandle (IPC needs memory from cudaMalloc/cuMemAlloc; "
-                        "not cudaMallocAsync pools or PyTorch expandable segments)")
-    _wait_for_stream(driver, cai.get("stream"))
+    with _context_of(driver, ptr):
+        # The handle names the whole allocation; the offset says where in it the tensor starts.
+        base, _size = _cuda_call(driver, driver.cuMemGetAddressRange(driver.CUdeviceptr(ptr)),
+                                 "cuMemGetAddressRange")
+        handle = _cuda_call(driver, driver.cuIpcGetMemHandle(base),
+                            "cuIpcGetMemHandle (IPC needs memory from cudaMalloc/cuMemAlloc; "
+                            "not cudaMallocAsync pools or PyTorch expandable segments)")
+        _wait_for_stream(driver, cai.get("stream"))
     return abi.Xfer(mem_kind=abi.MEM_CUDA_IPC, mem_offset=ptr - int(base), length=length,
                     cuda_ipc_handle=_handle_bytes(handle))
+
+
+@contextlib.contextmanager
+def _context_of(driver, ptr: int):
+    """Makes the context that owns device pointer `ptr` current in this thread, for the calls
+    inside, and restores the thread's own afterwards. A connector's I/O thread has often never
+    touched CUDA (torch and cupy make a context current only in threads that use them), and
+    cuMemGetAddressRange, cuIpcGetMemHandle and cuStreamSynchronize fail there with
+    CUDA_ERROR_INVALID_CONTEXT. cuPointerGetAttribute needs no current context."""
+    _cuda_call(driver, driver.cuInit(0), "cuInit")
+    owner = _cuda_call(driver, driver.cuPointerGetAttribute(
+        driver.CUpointer_attribute.CU_POINTER_ATTRIBUTE_CONTEXT, driver.CUdeviceptr(ptr)),
+        "cuPointerGetAttribute (not CUDA device memory?)")
+    if not int(owner):
+        raise UnsupportedMemory("this CUDA memory belongs to no context (cuMemCreate/VMM "
+                                "memory): the IPC path needs memory from cudaMalloc/cuMemAlloc")
+    _cuda_call(driver, driver.cuCtxPushCurrent(owner), "cuCtxPushCurrent")
+    try:
+        yield
+    finally:
+        _cuda_call(driver, driver.cuCtxPopCurrent(), "cuCtxPopCurrent")
 
 
 def _wait_for_stream(driver, stream) -> None:

@@ -6,8 +6,12 @@
  * and loaded in place of the real driver by soname. What it keeps of the documented driver
  * semantics, because a caller can get them wrong:
  *
- *  - cuInit first (CUDA_ERROR_NOT_INITIALIZED); a current context per thread: a worker thread
- *    that never called cuCtxSetCurrent gets CUDA_ERROR_INVALID_CONTEXT, as on hardware.
+ *  - cuInit first (CUDA_ERROR_NOT_INITIALIZED); a stack of current contexts per thread
+ *    (cuCtxSetCurrent replaces its top, cuCtxPushCurrent/cuCtxPopCurrent): a thread with none
+ *    gets CUDA_ERROR_INVALID_CONTEXT from every call that needs one, as on hardware.
+ *    cuPointerGetAttribute (CONTEXT, DEVICE_ORDINAL) needs none: it is how a thread finds the
+ *    context of a device pointer it was handed; for any address that is not in a device
+ *    allocation it gives CUDA_ERROR_INVALID_VALUE (registered host memory is not modelled).
  *  - unified addressing: a device pointer is an address in the process's own address space,
  *    reserved PROT_NONE, so the CPU faults on it as it does on a real device pointer; the bytes
  *    live in a separate mapping only this library touches.
@@ -108,6 +112,7 @@ struct allocation {
 	int opened_ipc;        /* 1: from cuIpcOpenMemHandle */
 	int references;        /* IPC opens of the same handle */
 	int32_t peer_pid;
+	CUcontext context;     /* current when it was allocated or opened */
 	struct allocation *next;
 };
 
@@ -132,7 +137,9 @@ static struct sim_context *primary;          /* one per device, made by cuInit *
 static struct allocation *allocations;
 static struct host_range *host_ranges;
 static struct sim_stream *streams;
-static __thread CUcontext current;
+static __thread CUcontext current;          /* the top of this thread's context stack */
+static __thread CUcontext below[16];         /* the rest of it, cuCtxPushCurrent's */
+static __thread int depth;
 
 static CUresult need_context(void)
 {
@@ -290,7 +297,38 @@ CUresult cuCtxSetCurrent(CUcontext context)
 		return CUDA_ERROR_NOT_INITIALIZED;
 	if (context && (context < primary || context >= primary + device_count))
 		return CUDA_ERROR_INVALID_CONTEXT;
+	if (!context) {             /* NULL pops the top (a no-op on an empty stack) */
+		current = depth ? below[--depth] : NULL;
+		return CUDA_SUCCESS;
+	}
 	current = context;
+	return CUDA_SUCCESS;
+}
+
+CUresult cuCtxPushCurrent(CUcontext context)
+{
+	if (!initialized)
+		return CUDA_ERROR_NOT_INITIALIZED;
+	if (!context || context < primary || context >= primary + device_count)
+		return CUDA_ERROR_INVALID_CONTEXT;
+	if (current) {
+		if (depth == (int)(sizeof(below) / sizeof(below[0])))
+			return CUDA_ERROR_OUT_OF_MEMORY;
+		below[depth++] = current;
+	}
+	current = context;
+	return CUDA_SUCCESS;
+}
+
+CUresult cuCtxPopCurrent(CUcontext *context)
+{
+	if (!initialized)
+		return CUDA_ERROR_NOT_INITIALIZED;
+	if (!current)
+		return CUDA_ERROR_INVALID_CONTEXT;
+	if (context)
+		*context = current;
+	current = depth ? below[--depth] : NULL;
 	return CUDA_SUCCESS;
 }
 
@@ -348,6 +386,7 @@ CUresult cuMemAlloc(CUdeviceptr *address, size_t size)
 		close(fd);
 		return CUDA_ERROR_OUT_OF_MEMORY;
 	}
+	a->context = current;
 	pthread_mutex_lock(&lock);
 	a->next = allocations;
 	allocations = a;
@@ -388,6 +427,30 @@ CUresult cuMemGetAddressRange(CUdeviceptr *base, size_t *size, CUdeviceptr addre
 	}
 	pthread_mutex_unlock(&lock);
 	return a ? CUDA_SUCCESS : CUDA_ERROR_NOT_FOUND;
+}
+
+enum { CU_POINTER_ATTRIBUTE_CONTEXT = 1, CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL = 9 };
+
+CUresult cuPointerGetAttribute(void *data, int attribute, CUdeviceptr address)
+{
+	if (!initialized)
+		return CUDA_ERROR_NOT_INITIALIZED;
+	if (!data)
+		return CUDA_ERROR_INVALID_VALUE;
+	if (attribute != CU_POINTER_ATTRIBUTE_CONTEXT &&
+	    attribute != CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL)
+		return CUDA_ERROR_NOT_SUPPORTED;    /* not simulated: no caller here asks */
+	pthread_mutex_lock(&lock);
+	struct allocation *a = find_span(address, 1);
+	CUcontext context = a ? a->context : NULL;
+	pthread_mutex_unlock(&lock);
+	if (!a)
+		return CUDA_ERROR_INVALID_VALUE;
+	if (attribute == CU_POINTER_ATTRIBUTE_CONTEXT)
+		*(CUcontext *)data = context;
+	else
+		*(int *)data = context->device;
+	return CUDA_SUCCESS;
 }
 
 /* The allocation stays mapped while the lock is held, so the copy runs under it: copies of
@@ -633,6 +696,7 @@ CUresult cuIpcOpenMemHandle(CUdeviceptr *address, CUipcMemHandle handle, unsigne
 	}
 	a->opened_ipc = 1;
 	a->references = 1;
+	a->context = current;
 	a->peer_pid = h.pid;
 	pthread_mutex_lock(&lock);
 	struct allocation *raced = NULL;
@@ -795,6 +859,8 @@ static const struct { const char *name; void *fn; int since; } entries[] = {
 	ENTRY(cuDeviceGet, 2000), ENTRY(cuDeviceGetName, 2000),
 	ENTRY(cuDevicePrimaryCtxRetain, 7000), ENTRY(cuDevicePrimaryCtxRelease, 11000),
 	ENTRY(cuCtxSetCurrent, 4000), ENTRY(cuCtxGetCurrent, 4000), ENTRY(cuCtxSynchronize, 2000),
+	ENTRY(cuCtxPushCurrent, 4000), ENTRY(cuCtxPopCurrent, 4000),
+	ENTRY(cuPointerGetAttribute, 4000),
 	ENTRY(cuMemAlloc, 3020), ENTRY(cuMemFree, 3020), ENTRY(cuMemGetAddressRange, 3020),
 	ENTRY(cuMemcpyDtoH, 3020), ENTRY(cuMemcpyHtoD, 3020),
 	ENTRY(cuMemcpyDtoHAsync, 3020), ENTRY(cuMemcpyHtoDAsync, 3020),

@@ -128,6 +128,40 @@ def test_concurrent_device_stores(cu, mounted):
             b.free()
 
 
+def test_a_thread_that_never_used_cuda_stores_and_loads(cu, mounted):
+    """A connector's I/O thread has no current context: the client makes the tensor's own
+    current for its calls and leaves every thread's context as it found it."""
+    s = mounted()
+    path = str(s.mnt / "io-thread.bin")
+    data = pattern("io-thread", 4 * MiB)
+    src, dst = DeviceBuffer(cu, 4 * MiB), DeviceBuffer(cu, 4 * MiB)
+    outcome = {}
+
+    def io_thread():
+        try:
+            outcome["stored"] = store_from(path, src)
+            outcome["loaded"] = load_into(path, dst)
+            outcome["context after"] = int(_ok(cu, cu.cuCtxGetCurrent()))
+        except Exception as e:  # asserted on below, in the test's thread
+            outcome["error"] = e
+
+    try:
+        src.write(data)
+        dst.write(bytes(4 * MiB))
+        t = threading.Thread(target=io_thread)
+        t.start()
+        t.join()
+        assert "error" not in outcome, outcome
+        assert outcome == {"stored": 4 * MiB, "loaded": 4 * MiB, "context after": 0}
+        assert dst.read() == data
+        mine = int(_ok(cu, cu.cuCtxGetCurrent()))
+        assert store_from(path, src) == 4 * MiB
+        assert int(_ok(cu, cu.cuCtxGetCurrent())) == mine != 0
+    finally:
+        src.free()
+        dst.free()
+
+
 def test_handle_of_freed_memory_is_refused_and_nothing_is_stored(cu, mounted):
     s = mounted(allow_log=("cuIpcOpenMemHandle",))
     buf = DeviceBuffer(cu, 2 * MiB)
