@@ -12,6 +12,10 @@ Starts bluecached + hostd (as tests/support.py does) mounting a temp dir; one de
                 its IPC handle and the GPU copies into / out of the store's chunks
   posix_pinned  what vLLM's FS tier does: DtoH into pinned memory, then open/write/rename
                 through the mount; load: read into pinned memory, then HtoD
+Then, apart: what bluecached pays per request to open and close the client's IPC handle
+(cuIpcOpenMemHandle + cuMemGetAddressRange + cuIpcCloseMemHandle, timed in a child process
+through bluecached's own code), as a share of one block's cuMemcpy: the number that says
+whether handles should be kept open between requests (docs/hardware.md).
 Targets from the issue: ioctl store and load >= 0.8x cuMemcpy DtoH / HtoD with pinned memory.
 Writes gpu.json and gpu.png to --out-dir (docs/benchmarks by default), naming the device.
 With --simulator (tests/cuda_sim.py) it runs without a GPU to prove the script works; its
@@ -36,7 +40,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests"), str(ROOT / "bench")]
 import cuda_sim  # noqa: E402
 from ioctl_bench import cpu_model, posix_load, posix_store, timed  # noqa: E402
 
-from hostd.zerocopy import load_into, store_from  # noqa: E402
+from hostd.zerocopy import _handle_bytes, load_into, store_from  # noqa: E402
 from support import DaemonProcess, HostdProcess, force_unmount, pattern  # noqa: E402
 
 MiB = 1 << 20
@@ -99,6 +103,29 @@ class PinnedBlock:
         self.cuda.ok(self.cuda.d.cuMemFreeHost(self.ptr))
 
 
+def ipc_open_close_us(handle: bytes, repeats: int) -> list[float]:
+    """Microseconds per open + close of `handle`, timed in a child process (a process cannot
+    open its own handle) with bluecached's CudaContext, so exactly the calls it makes."""
+    r = subprocess.run([sys.executable, __file__, "--ipc-child", handle.hex(),
+                        "--rounds", str(repeats)],
+                       capture_output=True, text=True, timeout=300)
+    if r.returncode != 0:
+        raise RuntimeError(f"IPC open/close child failed: {r.stderr.strip()}")
+    return json.loads(r.stdout)
+
+
+def ipc_child(handle_hex: str, repeats: int) -> int:
+    from bluecached.dma.cuda import CudaContext
+    ctx, handle, times = CudaContext(0), bytes.fromhex(handle_hex), []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        base, _ = ctx.open_ipc(handle)
+        ctx.close_ipc(base)
+        times.append((time.perf_counter() - t) * 1e6)
+    print(json.dumps(times))
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--blocks", type=int, default=16)
@@ -108,7 +135,10 @@ def main() -> int:
                                                  "directory with --simulator)")
     ap.add_argument("--simulator", action="store_true",
                     help="run on the CUDA driver simulator (no GPU; numbers meaningless)")
+    ap.add_argument("--ipc-child", metavar="HANDLE_HEX", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.ipc_child:
+        return ipc_child(args.ipc_child, args.rounds)
     size, total_mib = args.size_mib * MiB, args.blocks * args.size_mib
     work = Path(tempfile.mkdtemp(prefix="bcgpu-", dir="/var/tmp"))
     out_dir = args.out_dir or (work.with_name(work.name + "-out") if args.simulator
@@ -176,6 +206,8 @@ def main() -> int:
         cuda.dtoh(pinned.ptr, dev.ptr, size)
         bytes_ok = bytes(pinned.view) == pattern("gpu-bench", size)
         hostd.stop()
+        handle = _handle_bytes(cuda.ok(cuda.d.cuIpcGetMemHandle(cuda.d.CUdeviceptr(dev.ptr))))
+        opens = sorted(ipc_open_close_us(handle, 50))
     finally:
         if dev is not None:
             dev.free()
@@ -193,6 +225,11 @@ def main() -> int:
         "ioctl_store_vs_posix_pinned": ratio("store_mib_s", "posix_pinned"),
         "ioctl_load_vs_posix_pinned": ratio("load_mib_s", "posix_pinned"),
     }
+    block_copy_us = args.size_mib / results["cumemcpy"]["store_mib_s"] * 1e6
+    ipc = {"median_us": round(opens[len(opens) // 2], 1), "max_us": round(opens[-1], 1),
+           "share_of_block_dtoh": round(opens[len(opens) // 2] / block_copy_us, 3)}
+    print(f"IPC open+close per request: median {ipc['median_us']} us, "
+          f"{ipc['share_of_block_dtoh']:.1%} of one block's cuMemcpy DtoH", flush=True)
     targets_met = {
         "ioctl store >= 0.8x cuMemcpy DtoH": ratios["ioctl_store_vs_cumemcpy_dtoh"] >= 0.8,
         "ioctl load >= 0.8x cuMemcpy HtoD": ratios["ioctl_load_vs_cumemcpy_htod"] >= 0.8,
@@ -201,6 +238,7 @@ def main() -> int:
         "benchmark": "gpu_bench", "simulated": kind != "gpu", "block_mib": args.size_mib,
         "blocks": args.blocks, "rounds": args.rounds, "results_mib_s": results,
         "ratios": ratios, "targets_met": targets_met, "bytes_ok": bytes_ok,
+        "ipc_open_close": ipc,
         "seconds": round(time.time() - started, 1),
         "machine": {"platform": platform.platform(), "cpu": cpu_model(),
                     "cores": os.cpu_count(), "python": platform.python_version(),

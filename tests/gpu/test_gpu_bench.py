@@ -25,3 +25,5 @@ def test_gpu_bench_runs_and_moves_the_bytes_on_the_simulator(tmp_path):
     assert out["bytes_ok"] is True
     assert set(out["results_mib_s"]) == {"cumemcpy", "ioctl", "posix_pinned"}
     assert all(v > 0 for r in out["results_mib_s"].values() for v in r.values())
+    ipc = out["ipc_open_close"]
+    assert 0 < ipc["median_us"] <= ipc["max_us"] and ipc["share_of_block_dtoh"] > 0
