@@ -19,6 +19,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+import yaml
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import mount_bench as mb  # noqa: E402
@@ -48,8 +50,7 @@ def setting(text: str) -> tuple[str, object]:
     key, _, value = text.partition("=")
     if not key or not _:
         raise argparse.ArgumentTypeError(f"{text!r}: expected KEY=VALUE")
-    lowered = value.lower()
-    return key, {"true": True, "false": False}.get(lowered, value)
+    return key, yaml.safe_load(value)   # as the config file would read it: 4, true, 3GiB
 
 
 def main() -> int:

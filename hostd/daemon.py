@@ -93,7 +93,8 @@ async def run(cfg, path: Path | None, notifier) -> None:
     else:
         client = AsyncClient(control, keys, client_name=name)
     link = DaemonLink(client, regions, cfg.mount.staging_slots, cfg.daemon.request_timeout,
-                      cfg.doca, ack_staged=cfg.mount.write_ack == "staged")
+                      cfg.doca, ack_staged=cfg.mount.write_ack == "staged",
+                      read_ahead=cfg.mount.read_ahead)
     ops = Operations(link, Timeouts(cfg.mount.entry_timeout, cfg.mount.attr_timeout,
                                     cfg.mount.negative_timeout))
     link.on_restart = ops.forget_everything
@@ -177,6 +178,9 @@ async def run(cfg, path: Path | None, notifier) -> None:
                     in_place.stop()
                 nursery.cancel_scope.cancel()
     link.close()
+    if link.read_ahead is not None:
+        log.info("reads answered from read-ahead: %d, read-aheads thrown away: %d",
+                 link.read_ahead.served, link.read_ahead.wasted)
     log.info("stopped; hostd copied %d payload bytes", link.bytes_copied)
 
 

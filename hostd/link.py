@@ -32,6 +32,7 @@ from fusefs.cache import Attr
 
 from .doca_export import DocaSetupError, HostExporter
 from .inflight import WritesInFlight
+from .readahead import ReadAhead
 
 log = logging.getLogger("hostd.link")
 
@@ -48,6 +49,10 @@ _READ_TAKES_BUFFER = tuple(int(x) for x in pyfuse3.__version__.split(".")[:2]) >
 _IDEMPOTENT = {"lookup", "getattr", "read", "write", "write_batch", "readdir", "statfs", "open",
                "flush", "ping", "forget", "discard"}
 MAX_BATCH = 64   # staged writes per write_batch message
+
+
+def _writable(flags: int) -> bool:
+    return flags & os.O_ACCMODE != os.O_RDONLY
 
 
 class Staging:
@@ -78,6 +83,9 @@ class Staging:
     def give(self, slot: int) -> None:
         self._free.append(slot)
         self._available.release()
+
+    def free(self) -> int:
+        return len(self._free)
 
     @staticmethod
     def offset(slot: int) -> int:
@@ -111,7 +119,8 @@ class OpenFile:
 
 class DaemonLink:
     def __init__(self, client: AsyncClient, regions_path: str | None, slots: int,
-                 request_timeout: float, doca_settings=None, ack_staged: bool = False):
+                 request_timeout: float, doca_settings=None, ack_staged: bool = False,
+                 read_ahead: int = 4):
         self.client = client
         self.regions_path = regions_path
         self.doca_settings = doca_settings   # hostd.yaml's doca section
@@ -135,6 +144,8 @@ class DaemonLink:
         self._releases_send, self._releases = trio.open_memory_channel(float("inf"))
         self.ack_staged = ack_staged
         self.inflight = WritesInFlight()
+        self.read_ahead = ReadAhead(self.staging, self._read_into, SLOT_SIZE, read_ahead) \
+            if read_ahead else None
         self._writes: trio.Nursery | None = None   # background write calls (send_writes)
         self._unsent: list[StagedWrite] = []
         self._staged = trio.Event()   # set when _unsent gains a write
@@ -268,6 +279,8 @@ class DaemonLink:
     def _add_file(self, ino: int, flags: int, daemon_fh: int) -> int:
         fh = self._next_fh
         self._next_fh += 1
+        if self.read_ahead is not None:
+            self.read_ahead.opened(ino, _writable(flags))
         # Re-opening after a restart must not truncate or create again.
         self._files[fh] = OpenFile(ino, flags & ~(os.O_TRUNC | os.O_CREAT | os.O_EXCL),
                                    daemon_fh, self.generation)
@@ -299,7 +312,13 @@ class DaemonLink:
 
     async def setattr(self, ino, **changes) -> Attr:
         await self.inflight.settled(ino)
-        return Attr.from_wire(await self.call("setattr", ino=ino, **changes))
+        if self.read_ahead is None:
+            return Attr.from_wire(await self.call("setattr", ino=ino, **changes))
+        self.read_ahead.changing(ino)
+        try:
+            return Attr.from_wire(await self.call("setattr", ino=ino, **changes))
+        finally:
+            self.read_ahead.changing(ino)
 
     async def mkdir(self, parent, name, mode, uid, gid) -> Attr:
         return Attr.from_wire(await self.call("mkdir", parent=parent, name=name, mode=mode,
@@ -320,22 +339,28 @@ class DaemonLink:
         f = self._files.get(fh)
         if f is not None:
             await self.inflight.settled(f.ino)
+        ahead = self.read_ahead if f is not None and size <= SLOT_SIZE else None
+        if ahead is not None:
+            ready = await ahead.take(fh, offset, self.generation)
+            if ready is not None:
+                slot, n = ready
+                try:
+                    if n == size == SLOT_SIZE:
+                        ahead.start(fh, f.ino, offset + n, self.generation)
+                    return self._answer_from(slot, min(n, size))
+                finally:
+                    self.staging.give(slot)
         out = bytearray() if size > SLOT_SIZE else None
         while True:
             piece = min(size, SLOT_SIZE)
             slot = await self.staging.take()
             try:
-                n = (await self.call("read", host_fh=fh, offset=offset,
-                                     length=piece, region=self.staging.region_id,
-                                     region_offset=self.staging.offset(slot)))["length"]
-                view = self.staging.view(slot, n)
+                n = await self._read_into(fh, offset, slot, piece)
                 if out is None:
-                    if _READ_TAKES_BUFFER:
-                        # The kernel copies it out before any other task can take the slot:
-                        # pyfuse3 replies as soon as this coroutine returns.
-                        return view
-                    self.bytes_copied += n
-                    return bytes(view)
+                    if ahead is not None and n == SLOT_SIZE:
+                        ahead.start(fh, f.ino, offset + n, self.generation)
+                    return self._answer_from(slot, n)
+                view = self.staging.view(slot, n)
                 out += view
                 self.bytes_copied += n
             finally:
@@ -344,6 +369,21 @@ class DaemonLink:
             size -= n
             if n < piece or size == 0:
                 return bytes(out)
+
+    async def _read_into(self, fh, offset: int, slot: int, length: int = SLOT_SIZE) -> int:
+        return (await self.call("read", host_fh=fh, offset=offset, length=length,
+                                region=self.staging.region_id,
+                                region_offset=self.staging.offset(slot)))["length"]
+
+    def _answer_from(self, slot: int, n: int):
+        """A read's answer from a slot the caller gives back on return: the kernel copies it
+        out before any other task can take the slot (pyfuse3 replies as soon as the handler
+        returns)."""
+        view = self.staging.view(slot, n)
+        if _READ_TAKES_BUFFER:
+            return view
+        self.bytes_copied += n
+        return bytes(view)
 
     async def write(self, fh, offset, data) -> int:
         data = memoryview(data)
@@ -406,6 +446,8 @@ class DaemonLink:
         those answered once stored (write_ack: stored) each in a task of its own."""
         async with trio.open_nursery() as nursery:
             self._writes = nursery
+            if self.read_ahead is not None:
+                self.read_ahead.nursery = nursery
             nursery.start_soon(self._send_staged)
             task_status.started()
             await trio.sleep_forever()
@@ -474,6 +516,8 @@ class DaemonLink:
         if f is not None:
             await self.inflight.settled(f.ino)   # their calls name this handle
             del self._files[fh]
+            if self.read_ahead is not None:
+                self.read_ahead.closed(fh, f.ino, _writable(f.flags))
             self._releases_send.send_nowait(f)
 
     async def forward_releases(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:

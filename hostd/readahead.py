@@ -1,0 +1,146 @@
+"""Read-ahead for sequential reads: the daemon fills the next slot while the kernel copies out
+the current one.
+
+A FUSE read with direct_io reaches hostd 1 MiB at a time, one request after the other per
+reader (the kernel waits for each answer before it sends the next), so without read-ahead a
+32 MiB block costs 32 round trips to the daemon in a row. After a full 1 MiB read at offset
+X, the next 1 MiB (from X + 1 MiB) is asked for at once into a spare slot; the reader's next
+request, if it is for exactly that offset, is answered from the slot.
+
+Bytes read ahead must never be older than what a read issued later would see. Content
+changes only through a handle open for writing (writes, the zero-copy STORE, O_TRUNC) or a
+truncate (setattr), and every one of those passes through hostd: so nothing is read ahead
+for a file that has a writable handle open, and a read ahead still unserved when such a
+handle opens or closes, or when a setattr begins or ends, is marked stale and thrown away
+rather than served. A daemon restart throws away all. Read-ahead takes a slot only while at
+least half of them are free, so it never makes a write or a read wait for a slot.
+"""
+
+from collections import deque
+from dataclasses import dataclass, field
+
+import trio
+
+from bluecached.client import RemoteError
+
+
+@dataclass(slots=True, eq=False)
+class _Fetch:
+    fh: int
+    ino: int
+    offset: int
+    slot: int
+    generation: int    # the daemon connection it was read from
+    done: trio.Event = field(default_factory=trio.Event)
+    length: int = -1
+    failed: bool = False
+    stale: bool = False       # the file may have changed since it was asked for
+    abandoned: bool = False   # nobody will serve it: whoever finishes last gives the slot
+
+
+class ReadAhead:
+    """Up to `depth` consecutive slots read ahead per open handle. `fetch(fh, offset, slot)`
+    asks the daemon for a slot's worth at `offset` into `slot` and returns the bytes it put
+    there."""
+
+    def __init__(self, staging, fetch, slot_size: int, depth: int = 4):
+        self.staging = staging
+        self.fetch = fetch
+        self.slot_size = slot_size
+        self.depth = depth
+        self.nursery: trio.Nursery | None = None   # set by the link's background task
+        self.served = 0      # reads answered from a slot read ahead
+        self.wasted = 0      # slots read ahead and thrown away (not sequential, changed, closed)
+        self._pending: dict[int, deque[_Fetch]] = {}   # host fh -> its reads ahead, in order
+        self._writers: dict[int, int] = {}             # ino -> handles open for writing
+
+    # -- what changes a file's content ---------------------------------------------------------
+
+    def opened(self, ino: int, writable: bool) -> None:
+        if writable:
+            self._writers[ino] = self._writers.get(ino, 0) + 1
+            self._touch(ino)
+
+    def closed(self, fh: int, ino: int, writable: bool) -> None:
+        self._drop(self._pending.pop(fh, ()))
+        if writable:
+            left = self._writers.get(ino, 0) - 1
+            if left > 0:
+                self._writers[ino] = left
+            else:
+                self._writers.pop(ino, None)
+            self._touch(ino)   # its last writes landed after any read ahead began
+
+    def changing(self, ino: int) -> None:
+        """Before and after a setattr (a truncate changes content)."""
+        self._touch(ino)
+
+    def _touch(self, ino: int) -> None:
+        for window in self._pending.values():   # one per reader: a short list
+            for f in window:
+                if f.ino == ino:
+                    f.stale = True
+
+    def _current(self, f: _Fetch, generation: int) -> bool:
+        return f.generation == generation and not f.stale
+
+    # -- reads ---------------------------------------------------------------------------------
+
+    async def take(self, fh: int, offset: int, generation: int) -> tuple[int, int] | None:
+        """(slot, bytes in it) read ahead for `fh` at `offset`, or None. The caller gives
+        the slot back."""
+        window = self._pending.get(fh)
+        if not window:
+            return None
+        f = window[0]
+        if f.offset != offset or not self._current(f, generation):
+            self._drop(self._pending.pop(fh))   # not sequential any more: start again
+            return None
+        window.popleft()
+        try:
+            await f.done.wait()
+        except BaseException:
+            self._drop((f,))
+            raise
+        if f.failed or not self._current(f, generation):
+            self._drop((f,))   # the reader asks the daemon itself, and gets any error then
+            return None
+        self.served += 1
+        return f.slot, f.length
+
+    def start(self, fh: int, ino: int, end: int, generation: int) -> None:
+        """After a full read ending at `end`: keep `depth` slots' worth read ahead, while
+        slots are to spare, nothing can change the file meanwhile and the end of the file
+        has not been seen."""
+        if self.nursery is None or self._writers.get(ino):
+            return
+        window = self._pending.setdefault(fh, deque())
+        while len(window) < self.depth and self.staging.free() * 2 >= self.staging.slots:
+            if window and window[-1].done.is_set() and window[-1].length < self.slot_size:
+                break   # the file ends there
+            slot = self.staging.take_nowait()
+            if slot < 0:
+                break
+            offset = window[-1].offset + self.slot_size if window else end
+            f = _Fetch(fh, ino, offset, slot, generation)
+            window.append(f)
+            self.nursery.start_soon(self._run, f)
+        if not window:
+            del self._pending[fh]
+
+    async def _run(self, f: _Fetch) -> None:
+        try:
+            f.length = await self.fetch(f.fh, f.offset, f.slot)
+        except RemoteError:
+            f.failed = True
+        finally:
+            f.done.set()
+            if f.abandoned:
+                self.staging.give(f.slot)
+
+    def _drop(self, fetches) -> None:
+        for f in fetches:
+            self.wasted += 1
+            f.abandoned = True
+            if f.done.is_set():
+                self.staging.give(f.slot)

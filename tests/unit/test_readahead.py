@@ -1,0 +1,183 @@
+"""hostd/readahead.py without a kernel or a daemon: what is read ahead, when it is served and
+when it is thrown away, and that every slot it takes comes back."""
+
+import errno
+
+import pytest
+import trio
+import trio.testing
+
+from bluecached.client import RemoteError
+from hostd.readahead import ReadAhead
+
+SLOT = 1 << 20
+FH, INO, GEN = 3, 40, 1
+
+
+class FakeStaging:
+    """The link's Staging as ReadAhead uses it: take_nowait, give, free, slots."""
+
+    def __init__(self, slots: int = 16):
+        self.slots = slots
+        self._free = list(range(slots))
+
+    def take_nowait(self) -> int:
+        return self._free.pop() if self._free else -1
+
+    def give(self, slot: int) -> None:
+        assert slot not in self._free, f"slot {slot} given back twice"
+        self._free.append(slot)
+
+    def free(self) -> int:
+        return len(self._free)
+
+
+class FakeDaemon:
+    """Answers read-ahead fetches when the test says so (or fails them)."""
+
+    def __init__(self, file_size: int = 1 << 40):
+        self.asked: list[int] = []
+        self.release = trio.Event()
+        self.error: RemoteError | None = None
+        self.file_size = file_size
+
+    async def fetch(self, fh, offset, slot) -> int:
+        self.asked.append(offset)
+        await self.release.wait()
+        if self.error is not None:
+            raise self.error
+        return max(0, min(SLOT, self.file_size - offset))
+
+
+def run(test, depth: int = 1, file_size: int = 1 << 40):
+    """Runs `test(ahead, staging, daemon)` in a nursery that hosts the fetches; afterwards
+    every slot must be back."""
+    staging, daemon = FakeStaging(), FakeDaemon(file_size)
+
+    async def main():
+        ahead = ReadAhead(staging, daemon.fetch, SLOT, depth)
+        async with trio.open_nursery() as nursery:
+            ahead.nursery = nursery
+            await test(ahead, staging, daemon)
+            daemon.release.set()
+        for fh in list(ahead._pending):      # what a release would do with the rest
+            ahead.closed(fh, INO, writable=False)
+    trio.run(main)
+    assert staging.free() == staging.slots
+
+
+def test_the_next_read_at_the_offset_read_ahead_is_served_from_its_slot():
+    async def test(ahead, staging, daemon):
+        ahead.start(FH, INO, SLOT, GEN)
+        await trio.testing.wait_all_tasks_blocked()
+        assert daemon.asked == [SLOT] and staging.free() == staging.slots - 1
+        daemon.release.set()
+        slot, length = await ahead.take(FH, SLOT, GEN)
+        assert length == SLOT and ahead.served == 1 and ahead.wasted == 0
+        staging.give(slot)        # the reader's part
+    run(test)
+
+
+@pytest.mark.parametrize("what", ["other offset", "writer opened", "truncated", "restart",
+                                  "fetch failed"])
+def test_a_read_ahead_that_may_be_stale_or_wrong_is_not_served(what):
+    async def test(ahead, staging, daemon):
+        ahead.start(FH, INO, SLOT, GEN)
+        await trio.testing.wait_all_tasks_blocked()
+        offset, generation = SLOT, GEN
+        if what == "other offset":
+            offset = 5 * SLOT
+        elif what == "writer opened":
+            ahead.opened(INO, writable=True)
+            ahead.closed(99, INO, writable=True)     # and closed again: still not served
+        elif what == "truncated":
+            ahead.changing(INO)
+        elif what == "restart":
+            generation = GEN + 1
+        else:
+            daemon.error = RemoteError(errno.EIO, "bad block")
+        daemon.release.set()
+        assert await ahead.take(FH, offset, generation) is None
+        assert ahead.served == 0 and ahead.wasted == 1
+    run(test)
+
+
+def test_a_file_with_a_writer_open_is_not_read_ahead():
+    async def test(ahead, staging, daemon):
+        ahead.opened(INO, writable=True)
+        ahead.opened(INO, writable=False)
+        ahead.start(FH, INO, SLOT, GEN)
+        await trio.testing.wait_all_tasks_blocked()
+        assert daemon.asked == []
+        ahead.closed(7, INO, writable=True)
+        ahead.start(FH, INO, SLOT, GEN)
+        await trio.testing.wait_all_tasks_blocked()
+        assert daemon.asked == [SLOT]
+    run(test)
+
+
+def test_closing_a_handle_mid_fetch_gives_its_slot_back_when_the_fetch_ends():
+    async def test(ahead, staging, daemon):
+        ahead.start(FH, INO, SLOT, GEN)
+        await trio.testing.wait_all_tasks_blocked()
+        ahead.closed(FH, INO, writable=False)
+        assert staging.free() == staging.slots - 1   # the daemon may still be writing it
+        daemon.release.set()
+        await trio.testing.wait_all_tasks_blocked()
+        assert staging.free() == staging.slots and ahead.wasted == 1
+    run(test)
+
+
+def test_read_ahead_takes_no_slot_when_fewer_than_half_are_free():
+    async def test(ahead, staging, daemon):
+        held = [staging.take_nowait() for _ in range(staging.slots // 2 + 1)]
+        ahead.start(FH, INO, SLOT, GEN)
+        await trio.testing.wait_all_tasks_blocked()
+        assert daemon.asked == []
+        for slot in held:
+            staging.give(slot)
+    run(test)
+
+
+def test_one_window_per_handle_kept_depth_slots_ahead():
+    async def test(ahead, staging, daemon):
+        ahead.start(FH, INO, SLOT, GEN)
+        ahead.start(FH, INO, SLOT, GEN)          # already full: nothing more
+        ahead.start(FH + 1, INO, SLOT, GEN)
+        await trio.testing.wait_all_tasks_blocked()
+        assert sorted(daemon.asked) == [SLOT, SLOT, 2 * SLOT, 2 * SLOT, 3 * SLOT, 3 * SLOT]
+        daemon.release.set()
+        slot, _ = await ahead.take(FH, SLOT, GEN)
+        staging.give(slot)
+        ahead.start(FH, INO, 2 * SLOT, GEN)      # tops the window up
+        await trio.testing.wait_all_tasks_blocked()
+        assert daemon.asked[-1] == 4 * SLOT
+        assert await ahead.take(FH, 3 * SLOT, GEN) is None    # skipped 2: all thrown away
+        assert ahead.wasted == 3 and ahead.served == 1
+    run(test, depth=3)
+
+
+def test_nothing_is_read_ahead_past_the_end_seen():
+    async def test(ahead, staging, daemon):
+        daemon.release.set()
+        ahead.start(FH, INO, SLOT, GEN)          # asks for 1 and 2; 2 is past the end
+        await trio.testing.wait_all_tasks_blocked()
+        for offset, length in ((SLOT, SLOT // 2),):
+            slot, got = await ahead.take(FH, offset, GEN)
+            assert got == length
+            staging.give(slot)
+        ahead.start(FH, INO, 2 * SLOT, GEN)      # the last fetch came back short: stop
+        await trio.testing.wait_all_tasks_blocked()
+        assert sorted(daemon.asked) == [SLOT, 2 * SLOT]
+    run(test, depth=2, file_size=SLOT + SLOT // 2)
+
+
+def test_a_change_to_another_file_leaves_a_read_ahead_alone():
+    async def test(ahead, staging, daemon):
+        ahead.start(FH, INO, SLOT, GEN)
+        ahead.changing(INO + 1)
+        ahead.opened(INO + 1, writable=True)
+        daemon.release.set()
+        slot, _ = await ahead.take(FH, SLOT, GEN)
+        staging.give(slot)
+    run(test)
