@@ -61,6 +61,8 @@ import threading
 import time
 from pathlib import Path
 
+import yaml
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT))
@@ -487,15 +489,16 @@ def mib_s(nbytes: int, seconds: float) -> float:
 
 
 class Bluecache:
-    def __init__(self, root: Path, mnt: Path, settings: dict):
+    def __init__(self, root: Path, mnt: Path, settings: dict, hostd_settings: dict | None = None):
         self.settings = settings
+        self.hostd_settings = hostd_settings or {}
         self.daemon = DaemonProcess(root, **settings)
         self.mnt = mnt
         self.hostd: HostdProcess | None = None
 
     def start(self) -> None:
         self.daemon.start()
-        self.hostd = HostdProcess(self.daemon, self.mnt).start()
+        self.hostd = HostdProcess(self.daemon, self.mnt, **self.hostd_settings).start()
 
     @property
     def pids(self) -> dict:
@@ -1185,8 +1188,8 @@ def write_md(results: dict, path: Path) -> None:
     ptll = cfg["passthrough_ll"]
     L += ["## Setup", "",
           f"- bluecached: `{json.dumps(cfg['bluecached'])}` (other keys default: write-behind, "
-          "durability fsync); hostd defaults (direct_io, 1 MiB staging slots) with request_timeout "
-          "20s.",
+          "durability fsync); hostd: `" + json.dumps(cfg["hostd"]) + "` (other keys default: "
+          "direct_io, 1 MiB staging slots, read-ahead 4).",
           f"- passthrough_ll: {ptll.get('source', '')} "
           + ("built" if ptll.get("ok") else f"NOT built: {ptll.get('error')}")
           + f"; run as `{ptll.get('command', '')}` — defaults {ptll.get('defaults', '')}.",
@@ -1217,6 +1220,9 @@ def main() -> int:
     ap.add_argument("--profile-seconds", type=float)
     ap.add_argument("--no-profile", action="store_true")
     ap.add_argument("--no-passthrough", action="store_true", help="skip building passthrough_ll")
+    ap.add_argument("--hostd", action="append", default=[], metavar="KEY=VALUE",
+                    help="a hostd setting other than the default (YAML value), e.g. "
+                         "mount.read_ahead=0")
     ap.add_argument("--render-only", action="store_true",
                     help="rewrite mount.png and mount.md from the mount.json in the output dir")
     args = ap.parse_args()
@@ -1284,12 +1290,14 @@ def main() -> int:
             ptll_info.pop("help", None)
         else:
             notes.append(f"passthrough_ll not measured: {ptll_info.get('error', 'skipped')}")
-        bench.bc = Bluecache(work / "bc", bench.dirs["bluecache"], bc_settings)
+        hostd_settings = {k: yaml.safe_load(v) for k, _, v in
+                          (h.partition("=") for h in args.hostd)}
+        bench.bc = Bluecache(work / "bc", bench.dirs["bluecache"], bc_settings, hostd_settings)
         bench.bc.start()
         results["config"] = {
             "file_bytes": size, "files_per_point": f"max({min_files}, threads)",
             "threads": args.threads, "reps": args.reps, "read_piece": READ_PIECE,
-            "bluecached": bc_settings, "hostd": {"request_timeout": "20s"},
+            "bluecached": bc_settings, "hostd": {"request_timeout": "20s", **hostd_settings},
             "passthrough_ll": ptll_info,
             "dirs": {"tmpfs": str(bench.dirs["tmpfs"]),
                      "backing_dir": str(bench.dirs["backing_dir"]),

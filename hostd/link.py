@@ -115,6 +115,7 @@ class OpenFile:
     daemon_fh: int
     generation: int
     error: RemoteError | None = None   # a write answered early that then failed
+    size_at_open: int = 0              # how far read-ahead may go (a hint: see readahead.py)
 
 
 class DaemonLink:
@@ -276,14 +277,14 @@ class DaemonLink:
 
     # -- handles ---------------------------------------------------------------------------
 
-    def _add_file(self, ino: int, flags: int, daemon_fh: int) -> int:
+    def _add_file(self, ino: int, flags: int, daemon_fh: int, size: int) -> int:
         fh = self._next_fh
         self._next_fh += 1
         if self.read_ahead is not None:
             self.read_ahead.opened(ino, _writable(flags))
         # Re-opening after a restart must not truncate or create again.
         self._files[fh] = OpenFile(ino, flags & ~(os.O_TRUNC | os.O_CREAT | os.O_EXCL),
-                                   daemon_fh, self.generation)
+                                   daemon_fh, self.generation, size_at_open=size)
         return fh
 
     def open_file(self, fh: int) -> OpenFile | None:
@@ -328,12 +329,13 @@ class DaemonLink:
         r = await self.call("create", parent=parent, name=name, mode=mode, uid=uid, gid=gid,
                             flags=flags)
         attr = Attr.from_wire(r["attr"])
-        return self._add_file(attr.ino, flags, r["fh"]), attr
+        return self._add_file(attr.ino, flags, r["fh"], attr.size), attr
 
     async def open(self, ino, flags):
         await self.inflight.settled(ino)
         r = await self.call("open", ino=ino, flags=flags)
-        return self._add_file(ino, flags, r["fh"]), Attr.from_wire(r["attr"])
+        attr = Attr.from_wire(r["attr"])
+        return self._add_file(ino, flags, r["fh"], attr.size), attr
 
     async def read(self, fh, offset, size):
         f = self._files.get(fh)
@@ -346,7 +348,7 @@ class DaemonLink:
                 slot, n = ready
                 try:
                     if n == size == SLOT_SIZE:
-                        ahead.start(fh, f.ino, offset + n, self.generation)
+                        ahead.start(fh, f.ino, offset + n, f.size_at_open, self.generation)
                     return self._answer_from(slot, min(n, size))
                 finally:
                     self.staging.give(slot)
@@ -358,7 +360,7 @@ class DaemonLink:
                 n = await self._read_into(fh, offset, slot, piece)
                 if out is None:
                     if ahead is not None and n == SLOT_SIZE:
-                        ahead.start(fh, f.ino, offset + n, self.generation)
+                        ahead.start(fh, f.ino, offset + n, f.size_at_open, self.generation)
                     return self._answer_from(slot, n)
                 view = self.staging.view(slot, n)
                 out += view

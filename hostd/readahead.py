@@ -108,20 +108,24 @@ class ReadAhead:
         self.served += 1
         return f.slot, f.length
 
-    def start(self, fh: int, ino: int, end: int, generation: int) -> None:
+    def start(self, fh: int, ino: int, end: int, size: int, generation: int) -> None:
         """After a full read ending at `end`: keep `depth` slots' worth read ahead, while
-        slots are to spare, nothing can change the file meanwhile and the end of the file
-        has not been seen."""
+        slots are to spare, nothing can change the file meanwhile and the file goes on.
+        `size` is the file's size when the handle was opened: while no writer is open it is
+        the size (a writer opening makes all read ahead stale), and after one closed it is
+        only a hint, so reads past it are simply not read ahead."""
         if self.nursery is None or self._writers.get(ino):
             return
         window = self._pending.setdefault(fh, deque())
         while len(window) < self.depth and self.staging.free() * 2 >= self.staging.slots:
             if window and window[-1].done.is_set() and window[-1].length < self.slot_size:
                 break   # the file ends there
+            offset = window[-1].offset + self.slot_size if window else end
+            if offset >= size:
+                break
             slot = self.staging.take_nowait()
             if slot < 0:
                 break
-            offset = window[-1].offset + self.slot_size if window else end
             f = _Fetch(fh, ino, offset, slot, generation)
             window.append(f)
             self.nursery.start_soon(self._run, f)

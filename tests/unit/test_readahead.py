@@ -12,6 +12,7 @@ from hostd.readahead import ReadAhead
 
 SLOT = 1 << 20
 FH, INO, GEN = 3, 40, 1
+BIG = 1 << 40   # a file size read-ahead never reaches
 
 
 class FakeStaging:
@@ -68,7 +69,7 @@ def run(test, depth: int = 1, file_size: int = 1 << 40):
 
 def test_the_next_read_at_the_offset_read_ahead_is_served_from_its_slot():
     async def test(ahead, staging, daemon):
-        ahead.start(FH, INO, SLOT, GEN)
+        ahead.start(FH, INO, SLOT, BIG, GEN)
         await trio.testing.wait_all_tasks_blocked()
         assert daemon.asked == [SLOT] and staging.free() == staging.slots - 1
         daemon.release.set()
@@ -82,7 +83,7 @@ def test_the_next_read_at_the_offset_read_ahead_is_served_from_its_slot():
                                   "fetch failed"])
 def test_a_read_ahead_that_may_be_stale_or_wrong_is_not_served(what):
     async def test(ahead, staging, daemon):
-        ahead.start(FH, INO, SLOT, GEN)
+        ahead.start(FH, INO, SLOT, BIG, GEN)
         await trio.testing.wait_all_tasks_blocked()
         offset, generation = SLOT, GEN
         if what == "other offset":
@@ -106,11 +107,11 @@ def test_a_file_with_a_writer_open_is_not_read_ahead():
     async def test(ahead, staging, daemon):
         ahead.opened(INO, writable=True)
         ahead.opened(INO, writable=False)
-        ahead.start(FH, INO, SLOT, GEN)
+        ahead.start(FH, INO, SLOT, BIG, GEN)
         await trio.testing.wait_all_tasks_blocked()
         assert daemon.asked == []
         ahead.closed(7, INO, writable=True)
-        ahead.start(FH, INO, SLOT, GEN)
+        ahead.start(FH, INO, SLOT, BIG, GEN)
         await trio.testing.wait_all_tasks_blocked()
         assert daemon.asked == [SLOT]
     run(test)
@@ -118,7 +119,7 @@ def test_a_file_with_a_writer_open_is_not_read_ahead():
 
 def test_closing_a_handle_mid_fetch_gives_its_slot_back_when_the_fetch_ends():
     async def test(ahead, staging, daemon):
-        ahead.start(FH, INO, SLOT, GEN)
+        ahead.start(FH, INO, SLOT, BIG, GEN)
         await trio.testing.wait_all_tasks_blocked()
         ahead.closed(FH, INO, writable=False)
         assert staging.free() == staging.slots - 1   # the daemon may still be writing it
@@ -131,7 +132,7 @@ def test_closing_a_handle_mid_fetch_gives_its_slot_back_when_the_fetch_ends():
 def test_read_ahead_takes_no_slot_when_fewer_than_half_are_free():
     async def test(ahead, staging, daemon):
         held = [staging.take_nowait() for _ in range(staging.slots // 2 + 1)]
-        ahead.start(FH, INO, SLOT, GEN)
+        ahead.start(FH, INO, SLOT, BIG, GEN)
         await trio.testing.wait_all_tasks_blocked()
         assert daemon.asked == []
         for slot in held:
@@ -141,15 +142,15 @@ def test_read_ahead_takes_no_slot_when_fewer_than_half_are_free():
 
 def test_one_window_per_handle_kept_depth_slots_ahead():
     async def test(ahead, staging, daemon):
-        ahead.start(FH, INO, SLOT, GEN)
-        ahead.start(FH, INO, SLOT, GEN)          # already full: nothing more
-        ahead.start(FH + 1, INO, SLOT, GEN)
+        ahead.start(FH, INO, SLOT, BIG, GEN)
+        ahead.start(FH, INO, SLOT, BIG, GEN)          # already full: nothing more
+        ahead.start(FH + 1, INO, SLOT, BIG, GEN)
         await trio.testing.wait_all_tasks_blocked()
         assert sorted(daemon.asked) == [SLOT, SLOT, 2 * SLOT, 2 * SLOT, 3 * SLOT, 3 * SLOT]
         daemon.release.set()
         slot, _ = await ahead.take(FH, SLOT, GEN)
         staging.give(slot)
-        ahead.start(FH, INO, 2 * SLOT, GEN)      # tops the window up
+        ahead.start(FH, INO, 2 * SLOT, BIG, GEN)      # tops the window up
         await trio.testing.wait_all_tasks_blocked()
         assert daemon.asked[-1] == 4 * SLOT
         assert await ahead.take(FH, 3 * SLOT, GEN) is None    # skipped 2: all thrown away
@@ -160,13 +161,13 @@ def test_one_window_per_handle_kept_depth_slots_ahead():
 def test_nothing_is_read_ahead_past_the_end_seen():
     async def test(ahead, staging, daemon):
         daemon.release.set()
-        ahead.start(FH, INO, SLOT, GEN)          # asks for 1 and 2; 2 is past the end
+        ahead.start(FH, INO, SLOT, BIG, GEN)          # asks for 1 and 2; 2 is past the end
         await trio.testing.wait_all_tasks_blocked()
         for offset, length in ((SLOT, SLOT // 2),):
             slot, got = await ahead.take(FH, offset, GEN)
             assert got == length
             staging.give(slot)
-        ahead.start(FH, INO, 2 * SLOT, GEN)      # the last fetch came back short: stop
+        ahead.start(FH, INO, 2 * SLOT, BIG, GEN)      # the last fetch came back short: stop
         await trio.testing.wait_all_tasks_blocked()
         assert sorted(daemon.asked) == [SLOT, 2 * SLOT]
     run(test, depth=2, file_size=SLOT + SLOT // 2)
@@ -174,10 +175,18 @@ def test_nothing_is_read_ahead_past_the_end_seen():
 
 def test_a_change_to_another_file_leaves_a_read_ahead_alone():
     async def test(ahead, staging, daemon):
-        ahead.start(FH, INO, SLOT, GEN)
+        ahead.start(FH, INO, SLOT, BIG, GEN)
         ahead.changing(INO + 1)
         ahead.opened(INO + 1, writable=True)
         daemon.release.set()
         slot, _ = await ahead.take(FH, SLOT, GEN)
         staging.give(slot)
     run(test)
+
+
+def test_nothing_is_read_ahead_past_the_size_at_open():
+    async def test(ahead, staging, daemon):
+        ahead.start(FH, INO, SLOT, 2 * SLOT + 1, GEN)
+        await trio.testing.wait_all_tasks_blocked()
+        assert sorted(daemon.asked) == [SLOT, 2 * SLOT]
+    run(test, depth=4)
