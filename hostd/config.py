@@ -88,7 +88,9 @@ HOSTD = Schema("HostdConfig", (
         "read_ahead": Field(as_count(minimum=0, maximum=64), 4,
                             "How many 1 MiB pieces past a sequential reader's last full read "
                             "hostd asks bluecached for before the reader does (each in a spare "
-                            "staging slot); never for a file open for writing. 0: none."),
+                            "staging slot), while at most 2 files are open for reading (more "
+                            "readers keep the daemons busy themselves); never for a file open "
+                            "for writing. 0: none."),
         "staging_slots": Field(as_count(minimum=64, maximum=4096), 128,
                                "1 MiB staging buffers shared with the DMA engine: how many POSIX "
                                "requests can be in flight at once (at least 64)."),

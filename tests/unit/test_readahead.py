@@ -190,3 +190,17 @@ def test_nothing_is_read_ahead_past_the_size_at_open():
         await trio.testing.wait_all_tasks_blocked()
         assert sorted(daemon.asked) == [SLOT, 2 * SLOT]
     run(test, depth=4)
+
+
+def test_no_read_ahead_while_more_than_two_files_are_open_for_reading():
+    async def test(ahead, staging, daemon):
+        for ino in (INO, INO + 1, INO + 2):
+            ahead.opened(ino, writable=False)
+        ahead.start(FH, INO, SLOT, BIG, GEN)
+        await trio.testing.wait_all_tasks_blocked()
+        assert daemon.asked == []
+        ahead.closed(FH + 2, INO + 2, writable=False)
+        ahead.start(FH, INO, SLOT, BIG, GEN)
+        await trio.testing.wait_all_tasks_blocked()
+        assert daemon.asked == [SLOT]
+    run(test)
