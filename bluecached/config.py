@@ -588,7 +588,10 @@ BLUECACHED = Schema("Config", (
                           "<state_dir>/nvme."),
             "size": Field(as_size(), "64GiB", "Capacity of the tier; 0 disables it."),
             "segment_size": Field(as_size(minimum=1 * MiB, multiple=4096), "16GiB",
-                                  "Size of each segment file: at least 1MiB, a multiple of 4096."),
+                                  "Size of each segment file: at least 1MiB, a multiple of "
+                                  "4096. Also the largest file the cache holds (an object is "
+                                  "one extent inside a segment): a write or truncate past it "
+                                  "fails with EFBIG. Fixed once segments are written."),
             "o_direct": Field(as_choice("auto", "on", "off", booleans=("on", "off")), "auto",
                               "Bypass the page cache with O_DIRECT: auto (if the filesystem "
                               "supports it), on or off."),

@@ -150,6 +150,7 @@ class SegmentStore:
         self._synced: dict[int, int] = {}
         self._lock = threading.Lock()
         self._closed = False
+        self._check_layout()
         self.o_direct = False
         if o_direct != "off":
             refused = _probe_o_direct(self.path)
@@ -165,6 +166,30 @@ class SegmentStore:
         self.rebuild(())
 
     # geometry
+
+    LAYOUT_FILE = "segments.layout"
+
+    def _check_layout(self) -> None:
+        """Extents are global offsets (segment = offset // segment_size): segments written with
+        one segment size read as garbage with another. The size is recorded beside them, and a
+        change is refused while segment files exist."""
+        layout = self.path / self.LAYOUT_FILE
+        wanted = f"segment_size {self.segment_size}\n"
+        try:
+            recorded = layout.read_text()
+        except FileNotFoundError:
+            recorded = None
+        if recorded == wanted:
+            return
+        if recorded is not None and any(self.path.glob("seg-*.dat")):
+            raise NvmeError(errno.EINVAL,
+                            f"the segment files here were written with {recorded.split()[-1]}-"
+                            f"byte segments, not {self.segment_size} (tiers.nvme.segment_size): "
+                            f"set it back, or empty the directory to start the tier afresh",
+                            str(self.path))
+        tmp = layout.with_suffix(".tmp")
+        tmp.write_text(wanted)
+        os.replace(tmp, layout)
 
     def _seg_len(self, k: int) -> int:
         return min(self.segment_size, self.capacity - k * self.segment_size)
@@ -183,6 +208,11 @@ class SegmentStore:
         return k
 
     # free space
+
+    @property
+    def max_extent(self) -> int:
+        """The largest object the store can ever hold: an extent never crosses a segment."""
+        return min(self.segment_size, self.capacity)
 
     @property
     def free_bytes(self) -> int:
@@ -205,7 +235,7 @@ class SegmentStore:
     def allocate(self, length: int) -> Extent | None:
         """First fit; None when no free extent is large enough (the caller evicts and retries)."""
         need = _round_up(length)
-        if length <= 0 or need > min(self.segment_size, self.capacity):
+        if length <= 0 or need > self.max_extent:
             raise ValueError(f"cannot allocate {length} bytes: an extent is 1..segment_size bytes")
         while True:
             k = self._hint.first_at_least(need)

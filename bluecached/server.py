@@ -43,7 +43,10 @@ class ControlServer:
         self.session_timeout = session_timeout
         self.incarnation = os.urandom(8).hex()
         self.sessions: dict[bytes, Session] = {}
-        self._session_ids = itertools.count(1)
+        # Unique across restarts: a client reconnecting after one names its old session in
+        # `replaces`, and a count from 1 would end whoever holds that number here (seen: a
+        # bluecachectl session cut off by hostd's reconnect, "say hello first").
+        self._session_ids = itertools.count(int.from_bytes(os.urandom(4), "big") << 20)
         self.requests = 0
         self.bad_messages = 0
         self._peers: dict[bytes, object] = {}   # local SEQPACKET clients by identity
@@ -176,7 +179,8 @@ class ControlServer:
         return {"version": max(common), "server": f"bluecached {__version__}",
                 "incarnation": self.incarnation, "session": session.id,
                 "engine": self.regions.engine.name,
-                "max_message_bytes": self.max_message_bytes}
+                "max_message_bytes": self.max_message_bytes,
+                "max_file_size": self.store.max_file_size}
 
     async def op_ping(self, session) -> dict:
         return {}

@@ -21,7 +21,7 @@ from .tiers import Tiers
 
 log = logging.getLogger("bluecached.store")
 
-MAX_FILE_SIZE = 1 << 40
+MAX_FILE_SIZE = 1 << 40   # without an NVMe tier; with one, an object is one extent (see below)
 TMP_SUFFIX = b".tmp"
 
 
@@ -56,6 +56,11 @@ class Store:
         self.tmp_inos: set[int] = set()
         self.logical_bytes = 0
         self.remote = None   # a RemoteTier when the remote tier is configured
+        # An object lives in one NVMe extent, which never crosses a segment: a file larger than
+        # a segment could never be written behind, so it is refused when it would grow past
+        # one (EFBIG, as a file system refuses a file past its maximum size), not later.
+        largest = tiers.nvme.max_extent if tiers.nvme is not None else MAX_FILE_SIZE
+        self.max_file_size = min(MAX_FILE_SIZE, largest)
 
     def attach_remote(self, remote) -> None:
         self.remote = remote
@@ -148,6 +153,11 @@ class Store:
             raise FsError(errno.EISDIR)
         return node
 
+    def _check_size(self, size: int) -> None:
+        if size > self.max_file_size:
+            raise FsError(errno.EFBIG, f"a file here holds at most {self.max_file_size} bytes "
+                                       f"(the NVMe tier's segment size): {size} asked")
+
     def _set_size(self, node: Inode, size: int) -> None:
         self.tiers.resize_dirty(node, size)
         self.logical_bytes += size - node.size
@@ -200,6 +210,9 @@ class Store:
 
     def add_placeholder(self, parent: int, name: bytes, info) -> Inode:
         """A file the remote tier has: its size now, its bytes on first read (`_load`)."""
+        if info.size > self.max_file_size:   # could never be cached here: a miss
+            raise FsError(errno.ENOENT, f"the remote object is larger ({info.size} bytes) than "
+                                        f"a file here can be ({self.max_file_size})")
         p = self.ns.get(parent)
         node = self.ns.add(parent, name, stat.S_IFREG | 0o644, p.uid, p.gid)
         node.size = info.size
@@ -237,8 +250,9 @@ class Store:
         if size is not None:
             if node.is_dir:
                 raise FsError(errno.EISDIR)
-            if size < 0 or size > MAX_FILE_SIZE:
-                raise FsError(errno.EFBIG if size > 0 else errno.EINVAL)
+            if size < 0:
+                raise FsError(errno.EINVAL, "negative size")
+            self._check_size(size)
             await self._truncate(node, size)
             node.mtime_ns = now
         if mode is not None:
@@ -404,8 +418,7 @@ class Store:
             raise FsError(errno.EBADF, "handle is not open for writing")
         if offset < 0 or length < 0:
             raise FsError(errno.EINVAL, "negative offset or length")
-        if offset + length > MAX_FILE_SIZE:
-            raise FsError(errno.EFBIG)
+        self._check_size(offset + length)
         if not length:
             return 0
         node = handle.node
@@ -447,8 +460,7 @@ class Store:
         handle = self._handle(fh)
         if not handle.writable:
             raise FsError(errno.EBADF, "handle is not open for writing")
-        if length > MAX_FILE_SIZE:
-            raise FsError(errno.EFBIG)
+        self._check_size(length)
         node = handle.node
         obj = node.obj
         chunks = await self.tiers.take_chunks(chunk_count(length), zero=False)

@@ -371,6 +371,14 @@ class Tiers:
         chunks = list(obj.chunks[: chunk_count(size)])
         chunks += [None] * (chunk_count(size) - len(chunks))
         extent = None
+        if size > self.nvme.max_extent:
+            # The store refuses such sizes; this object came another way (an older
+            # configuration's DRAM, a remote object). It stays in DRAM rather than fail forever.
+            self.stats.writeback_failures += 1
+            self._signal_space()
+            log.warning("inode %d (%d bytes) is larger than an NVMe segment (%d): stays in DRAM",
+                        node.ino, size, self.nvme.max_extent)
+            return False
         if size:
             extent = await self._allocate_extent(size)
             if extent is None:
@@ -441,7 +449,13 @@ class Tiers:
                 continue  # queued again at its last release, or already written
             await self._yield_to_writers(node.obj)
             async with node.obj.content_lock():
-                await self.writeback(node)
+                try:
+                    await self.writeback(node)
+                except Exception:
+                    # A bug here must not take the daemon down with every object only DRAM
+                    # holds: the object stays dirty in DRAM, the failure is counted and shown.
+                    self.stats.writeback_failures += 1
+                    log.exception("write-behind of inode %d failed unexpectedly", node.ino)
 
     # -- eviction by watermarks ------------------------------------------------------------
 

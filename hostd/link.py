@@ -127,6 +127,9 @@ class DaemonLink:
         self.doca_settings = doca_settings   # hostd.yaml's doca section
         self.exporter = None                 # HostExporter, once a daemon runs the doca engine
         self.engine = None                   # the daemon's engine, from its hello
+        # the daemon refuses a file past this size; a write answered early checks it here,
+        # so the writer gets EFBIG from write(2) rather than from close(2)
+        self.max_file_size = 1 << 63
         self._staging_export = None
         self.staging = Staging(slots)
         self.request_timeout = request_timeout
@@ -167,6 +170,7 @@ class DaemonLink:
     async def _establish(self) -> None:
         hello = await self.client.handshake(timeout=2, replaces=self.session)
         self.engine = hello["engine"]
+        self.max_file_size = hello.get("max_file_size", self.max_file_size)
         if self.engine == "doca":
             await self._import_staging()
         elif self.regions_path is not None:
@@ -393,6 +397,8 @@ class DaemonLink:
         staged = self.ack_staged and f is not None
         if staged and f.error is not None:
             raise RemoteError(f.error.errno, str(f.error))
+        if staged and offset + len(data) > self.max_file_size:
+            raise self._too_large(offset + len(data))
         done = 0
         while done < len(data):
             piece = data[done:done + SLOT_SIZE]
@@ -425,9 +431,16 @@ class DaemonLink:
         elif f.error is not None:
             self.staging.give(slot)
             answer(f.error)
+        elif offset + length > self.max_file_size:
+            self.staging.give(slot)
+            answer(self._too_large(offset + length))
         else:
             self._stage(fh, f, slot, offset, length)
             answer(None)
+
+    def _too_large(self, size: int) -> RemoteError:
+        return RemoteError(errno.EFBIG, f"a file here holds at most {self.max_file_size} bytes "
+                                        f"(bluecached's NVMe segment size): {size} asked")
 
     async def _write_then_answer(self, fh, slot: int, offset: int, length: int, answer) -> None:
         try:

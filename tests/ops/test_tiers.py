@@ -306,3 +306,31 @@ def test_write_behind_yields_to_zero_copy_stores_as_to_writes(harness):
     trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0),
              strict_exception_groups=True)
     h.check_consistency()
+
+
+def test_a_file_past_a_segment_gets_efbig_and_one_that_got_in_stays_in_dram(harness):
+    h = harness(dram=32 * MiB, nvme=32 * MiB, segment=8 * MiB)
+    assert h.store.max_file_size == 8 * MiB
+
+    async def main():
+        handle = await h.store.create(ROOT_INO, b"big", 0o644, 0, 0, os.O_RDWR)
+        with pytest.raises(FsError) as e:
+            await h.write(handle.fh, 0, pattern("big", 9 * MiB))
+        assert e.value.errno == errno.EFBIG and "segment" in str(e.value)
+        with pytest.raises(FsError) as e:
+            await h.store.setattr(handle.node.ino, size=8 * MiB + 1)
+        assert e.value.errno == errno.EFBIG
+        h.store.release(handle.fh)
+        # one that came in another way (a larger segment size before, a remote object):
+        # write-behind leaves it dirty in DRAM, counted, and goes on with the others
+        h.store.max_file_size = 1 << 40
+        await h.put("/grown", pattern("grown", 9 * MiB))
+        await h.put("/small", pattern("small", 4 * MiB))
+        await h.settle()
+        tiers = h.store.tiers
+        assert tiers.stats.writeback_failures >= 1
+        assert h.store.ns.resolve("/grown").obj.dirty
+        assert h.store.ns.resolve("/small").obj.persisted
+        assert await h.get("/grown") == pattern("grown", 9 * MiB)
+
+    h.serve(main)

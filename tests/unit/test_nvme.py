@@ -548,3 +548,19 @@ def test_refused_o_direct_falls_back_or_fails_clearly(tmp_path, monkeypatch, cap
     with pytest.raises(NvmeError, match="O_DIRECT.*" + re.escape(str(tmp_path / "on"))) as info:
         store(tmp_path / "on", o_direct="on")
     assert info.value.errno == errno.EINVAL
+
+
+def test_a_changed_segment_size_is_refused_while_segments_exist(tmp_path):
+    # extents are global offsets: segments written with one size read as garbage with another
+    store = SegmentStore(tmp_path, 4 * MiB, 1 * MiB)
+    ext = store.allocate(8192)
+    store.write(ext, [memoryview(c) for c in chunks_of(b"x" * 8192)], 8192)
+    store.close()
+    with pytest.raises(NvmeError) as e:
+        SegmentStore(tmp_path, 4 * MiB, 2 * MiB)
+    assert "1048576-byte segments" in str(e.value) and "segment_size" in str(e.value)
+    SegmentStore(tmp_path, 8 * MiB, 1 * MiB).close()   # a larger tier, same segments: fine
+    for seg in tmp_path.glob("seg-*.dat"):
+        seg.unlink()
+    SegmentStore(tmp_path, 4 * MiB, 2 * MiB).close()   # emptied: starts afresh
+    assert (tmp_path / "segments.layout").read_text() == f"segment_size {2 * MiB}\n"
