@@ -290,3 +290,22 @@ def test_local_client_reconnects_to_a_restarted_daemon(daemon):
             nursery.cancel_scope.cancel()
 
     trio.run(main, strict_exception_groups=True)
+
+
+def test_a_reconnect_after_a_restart_ends_only_its_own_old_session(daemon):
+    # hostd reconnects naming its old session in `replaces`; after a restart that number must
+    # not belong to somebody else (a bluecachectl that connected first lost its session).
+    d = daemon().start()
+    old = SyncClient(d.endpoints["control"], client_name="hostd")
+    old_session = old.hello["session"]
+    old.close()
+    d.stop()
+    d.start()
+    ctl = SyncClient(d.endpoints["control"])
+    try:
+        back = SyncClient(d.endpoints["control"], client_name="hostd")
+        back.call("hello", versions=list(protocol.SUPPORTED_VERSIONS), replaces=old_session)
+        back.close()
+        assert ctl.call("ping") == {}
+    finally:
+        ctl.close()
