@@ -13,6 +13,7 @@ G+1, maybe stale older journals that load deletes): never a gap, never a record 
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import re
@@ -33,6 +34,18 @@ _CRC = struct.Struct("<I")
 _FRAME = struct.Struct("<II")  # payload length, crc32c of payload
 _JOURNAL_RE = re.compile(r"journal-(\d{8,})\.log")
 _WRITE_BATCH = 1 << 20
+# Space the journal holds ahead of its end (fallocate, size unchanged): appends then need no
+# new blocks, so a filesystem filled by others does not refuse the index the record of data
+# already written.
+PREALLOCATE = 8 << 20
+_FALLOC_FL_KEEP_SIZE = 1
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.fallocate.argtypes = (ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64)
+
+
+def _preallocate(fd: int, offset: int, length: int) -> bool:
+    """Reserves blocks without changing the file's size; False where that is not possible."""
+    return _libc.fallocate(fd, _FALLOC_FL_KEEP_SIZE, offset, length) == 0
 
 
 class JournalError(Exception):
@@ -103,6 +116,7 @@ class Journal:
         self._dir_dirty = False
         self._pending: int | None = None  # generation of a begun, unfinished checkpoint
         self._packer = msgpack.Packer(use_bin_type=True)
+        self._reserved_to = 0   # the journal's blocks are reserved up to this offset
 
     # loading
 
@@ -177,6 +191,8 @@ class Journal:
         existed = path.exists()
         self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)
         self.journal_bytes = os.fstat(self._fd).st_size
+        self._reserved_to = 0
+        self._reserve()
         if not existed:
             self._dir_dirty = True  # sync() makes the new name durable
 
@@ -198,6 +214,12 @@ class Journal:
                 pass
             raise
         self.journal_bytes += done
+        self._reserve()
+
+    def _reserve(self) -> None:
+        if self.journal_bytes + PREALLOCATE // 2 > self._reserved_to and \
+                _preallocate(self._fd, self.journal_bytes, PREALLOCATE):
+            self._reserved_to = self.journal_bytes + PREALLOCATE
 
     def append(self, record) -> None:
         self._write(_frame(self._packer.pack(record)))
@@ -225,9 +247,20 @@ class Journal:
     # checkpoints
 
     def checkpoint(self, records: Iterable) -> None:
-        """Replaces the log with a snapshot of records, which must be the state as of now."""
-        self.checkpoint_begin()
-        self.checkpoint_finish(records)
+        """Replaces the log with a snapshot of records, which must be the state as of now.
+        Nothing is appended meanwhile (shutdown), so the snapshot is written before the
+        switch: if it fails (a full disk), appends stay in the current journal, which keeps
+        the space it holds in reserve."""
+        if self._fd < 0:
+            raise JournalError("load() must be called before a checkpoint")
+        gen = self.generation + 1
+        self._pending = gen
+        self._write_snapshot_file(gen, records)   # resets _pending on failure
+        old = self._fd
+        self._open_journal(gen)
+        os.close(old)
+        self.generation = gen
+        self._finish_switch(gen)
 
     def checkpoint_begin(self) -> int:
         """Switches appends to a new journal and returns its generation. Fast (one open), so
@@ -254,20 +287,28 @@ class Journal:
         gen = self._pending
         if gen is None:
             raise JournalError("checkpoint_finish() without checkpoint_begin()")
+        self._write_snapshot_file(gen, records)
+        self._finish_switch(gen)
+
+    def _write_snapshot_file(self, gen: int, records: Iterable) -> None:
         tmp = self.path / (SNAP_NAME + ".tmp")
         try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
             try:
-                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
-                try:
-                    count = self._write_snapshot(fd, gen, records)
-                    if self.durable:
-                        os.fsync(fd)
-                finally:
-                    os.close(fd)
-                os.rename(tmp, self.path / SNAP_NAME)
-            except BaseException:
-                tmp.unlink(missing_ok=True)
-                raise
+                count = self._write_snapshot(fd, gen, records)
+                if self.durable:
+                    os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.rename(tmp, self.path / SNAP_NAME)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            self._pending = None
+            raise
+        log.debug("checkpoint: %d records in snapshot %d", count, gen)
+
+    def _finish_switch(self, gen: int) -> None:
+        try:
             if self.durable:
                 _fsync_dir(self.path)  # the rename, before the journals it replaces go
             for old in self._journals():
@@ -275,7 +316,6 @@ class Journal:
                     (self.path / _journal_name(old)).unlink(missing_ok=True)
         finally:
             self._pending = None
-        log.debug("checkpoint: %d records in snapshot %d", count, gen)
 
     @staticmethod
     def _write_snapshot(fd: int, gen: int, records: Iterable) -> int:

@@ -25,6 +25,7 @@ from typing import NamedTuple
 log = logging.getLogger("bluecached.nvme")
 
 ALIGN = 4096
+INDEX_RESERVE = 16 << 20   # filesystem space the tier leaves for index snapshots beside it
 
 try:
     IOV_MAX = os.sysconf("SC_IOV_MAX")
@@ -91,7 +92,7 @@ def _probe_o_direct(path: Path) -> OSError | None:
     try:
         fd = os.open(probe, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_DIRECT | os.O_CLOEXEC, 0o600)
     except OSError as e:
-        if e.errno in (errno.EINVAL, errno.EOPNOTSUPP):
+        if e.errno in (errno.EINVAL, errno.EOPNOTSUPP, errno.ENOSPC):
             return e
         raise
     try:
@@ -101,7 +102,7 @@ def _probe_o_direct(path: Path) -> OSError | None:
                 if os.pwrite(fd, page, 0) != ALIGN or os.preadv(fd, [page], 0) != ALIGN:
                     return OSError(errno.EIO, "short O_DIRECT probe I/O")
             except OSError as e:
-                if e.errno in (errno.EINVAL, errno.EOPNOTSUPP):
+                if e.errno in (errno.EINVAL, errno.EOPNOTSUPP, errno.ENOSPC):
                     return e
                 raise
     finally:
@@ -137,7 +138,8 @@ class SegmentStore:
             raise ValueError(f"o_direct must be 'auto', 'on' or 'off', not {o_direct!r}")
         self.path = Path(path)
         self.path.mkdir(parents=True, exist_ok=True)
-        self.capacity = capacity
+        self.span = capacity       # the layout: segment k covers [k*segment_size, ...)
+        self.capacity = capacity   # what may be in use: less where the filesystem is smaller
         self.segment_size = segment_size
         self.durable = durable
         self.used_bytes = 0
@@ -164,6 +166,10 @@ class SegmentStore:
                 log.info("O_DIRECT refused on %s (%s): using buffered I/O",
                          self.path, refused.strerror)
         self.rebuild(())
+        if self.fit_to_disk() < self.span:
+            log.warning("the filesystem holding %s has room for %d MiB of the NVMe tier, not the "
+                        "%d MiB configured (tiers.nvme.size): the tier holds at most that much",
+                        self.path, self.capacity >> 20, self.span >> 20)
 
     # geometry
 
@@ -192,7 +198,7 @@ class SegmentStore:
         os.replace(tmp, layout)
 
     def _seg_len(self, k: int) -> int:
-        return min(self.segment_size, self.capacity - k * self.segment_size)
+        return min(self.segment_size, self.span - k * self.segment_size)
 
     def _seg_path(self, k: int) -> Path:
         return self.path / f"seg-{k:06d}.dat"
@@ -212,11 +218,26 @@ class SegmentStore:
     @property
     def max_extent(self) -> int:
         """The largest object the store can ever hold: an extent never crosses a segment."""
-        return min(self.segment_size, self.capacity)
+        return min(self.segment_size, self.span)
 
     @property
     def free_bytes(self) -> int:
-        return self.capacity - self.used_bytes
+        return max(0, self.capacity - self.used_bytes)
+
+    def fit_to_disk(self) -> int:
+        """Sets `capacity` to what the filesystem can hold: the blocks the segment files already
+        have plus the free space, less a reserve for the index (journal and snapshots live
+        beside the segments), at most the configured size. Returns the new capacity."""
+        st = os.statvfs(self.path)
+        held = 0
+        with os.scandir(self.path) as entries:
+            for entry in entries:
+                if entry.name.startswith("seg-") and entry.name.endswith(".dat"):
+                    held += entry.stat().st_blocks * 512
+        reserve = min(INDEX_RESERVE, st.f_blocks * st.f_frsize // 16)
+        fit = held + st.f_bavail * st.f_frsize - reserve
+        self.capacity = max(0, min(self.span, fit - fit % ALIGN))
+        return self.capacity
 
     @property
     def largest_free(self) -> int:
@@ -237,6 +258,8 @@ class SegmentStore:
         need = _round_up(length)
         if length <= 0 or need > self.max_extent:
             raise ValueError(f"cannot allocate {length} bytes: an extent is 1..segment_size bytes")
+        if self.used_bytes + need > self.capacity:
+            return None
         while True:
             k = self._hint.first_at_least(need)
             if k < 0:

@@ -111,7 +111,15 @@ class Store:
             obj = node.obj
             if obj.dirty and node.parent is not None:
                 async with obj.content_lock():
-                    await self.tiers.writeback(node)
+                    try:
+                        await self.tiers.writeback(node)
+                    except Exception:   # the rest still deserve their chance
+                        log.exception("persisting inode %d failed", node.ino)
+        lost = [n for n in self.tiers.lru_dram.values() if n.obj.dirty and n.parent is not None]
+        if lost:
+            log.error("%d files (%d MiB) held only in DRAM could not be written to NVMe and are "
+                      "lost with this stop (see the write-behind messages above for why)",
+                      len(lost), sum(n.size for n in lost) >> 20)
 
     def _snapshot(self) -> list:
         persisted = {n.ino: (n.obj.extent, n.obj.crcs)
@@ -122,8 +130,15 @@ class Store:
 
     def checkpoint(self) -> None:
         """Snapshot the index now (shutdown)."""
-        if self.tiers.journal is not None:
+        if self.tiers.journal is None:
+            return
+        try:
             self.tiers.journal.checkpoint(self._snapshot())
+        except OSError as e:
+            # Nothing is lost: the journals the snapshot would have replaced stay, and the next
+            # start replays them (slower).
+            log.error("could not write the index snapshot (%s); the journal keeps every record "
+                      "and the next start replays it", e)
 
     async def checkpoint_in_background(self) -> None:
         """Snapshot while serving: switching journals and capturing the state happen together
@@ -662,6 +677,7 @@ class Store:
         while True:
             await trio.sleep(interval)
             await self.collect_orphans()
+            self.tiers.refit_nvme()
             if journal is not None and journal.journal_bytes > self.tiers.journal_max_bytes:
                 await self.checkpoint_in_background()
 

@@ -6,6 +6,7 @@ Removing an object from the namespace is the store's business: the tiers ask it 
 `remove_object`.
 """
 
+import contextlib
 import errno
 import logging
 from collections import OrderedDict
@@ -27,6 +28,9 @@ WRITEBACK_STALL_S = 10  # a write waiting for write-behind re-checks at least th
 WRITEBACK_QUIET_S = 0.02      # write-behind waits for this long a pause in foreground writes
 WRITEBACK_MAX_DEFER_S = 2.0   # ... but never longer than this per object
 KNOWN_CRCS_MAX = 65536        # chunk CRCs kept for write-behind (a bound, not a working size)
+WRITEBACK_BACKOFF_MIN_S = 0.1  # after a failed write-behind, the next waits this long,
+WRITEBACK_BACKOFF_MAX_S = 5.0  # ... doubling up to this while they keep failing
+FAILURE_LOG_S = 30.0           # write-behind failures are logged at most this often
 
 
 @dataclass
@@ -106,12 +110,20 @@ class Tiers:
         self._pressure = trio.Event()    # wakes the evictor
         self._last_write = -1e9
         self._known_crcs: dict[int, tuple[int, bytes]] = {}   # ino -> (version, chunk CRCs)
+        self._wb_delay = 0.0            # write-behind's back-off after failures, and until when
+        self._wb_resume = -1e9
+        self._next_failure_log = -1e9
+        self._failures_unlogged = 0
 
     # -- journal ---------------------------------------------------------------------------
 
     def log(self, record) -> None:
         if self.journal is not None:
-            self.journal.append(record)
+            try:
+                self.journal.append(record)
+            except OSError as e:   # the client hears why (ENOSPC above all), no traceback
+                log.error("appending to the index journal failed: %s", e)
+                raise FsError(e.errno or errno.EIO, f"index journal: {e.strerror}") from None
 
     # -- LRU and accounting ----------------------------------------------------------------
 
@@ -210,18 +222,20 @@ class Tiers:
 
     # -- DRAM space ------------------------------------------------------------------------
 
-    def _evictable_dram(self):
+    def _evictable_dram(self, dirty_too: bool = False):
         for node in self.lru_dram.values():
             obj = node.obj
             if obj.busy:
                 continue
             # An unlinked file only a kernel reference keeps: nobody can open it by name, and
             # it will never be written behind; its bytes may go.
-            if self.nvme is None or not obj.dirty or node.parent is None:
+            if self.nvme is None or not obj.dirty or node.parent is None or dirty_too:
                 yield node
 
-    def _evict_dram_one(self) -> bool:
-        for node in self._evictable_dram():
+    def _evict_dram_one(self, dirty_too: bool = False) -> bool:
+        """Evicts the least recently used object DRAM may let go of: clean ones (NVMe has
+        them), or with `dirty_too` also those only DRAM holds (removed: a miss later)."""
+        for node in self._evictable_dram(dirty_too):
             self.stats.dram.evictions += 1
             if node.obj.dirty or not node.obj.persisted:
                 # No tier below holds it: evicting it from DRAM removes it.
@@ -284,9 +298,13 @@ class Tiers:
             self.kick_writeback_all()
             with trio.move_on_after(WRITEBACK_STALL_S):
                 await self._space.wait()
-                return
             if self.stats.writeback_failures > failures:
-                raise FsError(errno.ENOSPC, "DRAM tier is full of data the NVMe tier cannot take")
+                # The NVMe tier cannot take what DRAM holds (a full or failing disk): as
+                # without an NVMe tier, the least recently used object goes (a miss later),
+                # rather than the writer getting ENOSPC for space the cache can free.
+                if not self._evict_dram_one(dirty_too=True):
+                    raise FsError(errno.ENOSPC,
+                                  "DRAM tier is full of data the NVMe tier cannot take")
         elif any(n.obj.busy and not n.obj.opens for n in self.lru_dram.values()):
             await trio.sleep(0.005)  # a write-behind or promotion is finishing: retry soon
         else:
@@ -370,47 +388,49 @@ class Tiers:
         version, size = obj.version, node.size
         chunks = list(obj.chunks[: chunk_count(size)])
         chunks += [None] * (chunk_count(size) - len(chunks))
-        extent = None
         if size > self.nvme.max_extent:
             # The store refuses such sizes; this object came another way (an older
             # configuration's DRAM, a remote object). It stays in DRAM rather than fail forever.
-            self.stats.writeback_failures += 1
-            self._signal_space()
-            log.warning("inode %d (%d bytes) is larger than an NVMe segment (%d): stays in DRAM",
-                        node.ino, size, self.nvme.max_extent)
-            return False
-        if size:
-            extent = await self._allocate_extent(size)
-            if extent is None:
-                self.stats.writeback_failures += 1
-                self._signal_space()
-                log.warning("no NVMe space for inode %d (%d bytes): stays in DRAM",
-                            node.ino, size)
-                return False
+            return self._writeback_failed(
+                node, f"it is larger than an NVMe segment ({self.nvme.max_extent} bytes)")
         known = self._known_crcs.pop(node.ino, None)
         known = known[1] if known is not None and known[0] == version else None
-        self.pin(obj)
-        try:
-            crcs = b""
-            if extent is not None:
-                crcs = await trio.to_thread.run_sync(
-                    _crc_and_write, self.nvme, extent, chunks, size, known)
-        except OSError as e:
-            self.nvme.free(extent)
-            self.stats.writeback_failures += 1
-            self._signal_space()
-            log.error("write-behind of inode %d failed: %s", node.ino, e)
-            return False
-        finally:
-            self.unpin(obj)
+        for attempt in (1, 2):
+            extent = None
+            if size:
+                extent = await self._allocate_extent(size)
+                if extent is None:
+                    return self._writeback_failed(node, f"no NVMe space for {size} bytes")
+            self.pin(obj)
+            try:
+                crcs = b""
+                if extent is not None:
+                    crcs = await trio.to_thread.run_sync(
+                        _crc_and_write, self.nvme, extent, chunks, size, known)
+                break
+            except OSError as e:
+                self.nvme.free(extent)
+                if e.errno == errno.ENOSPC and attempt == 1:
+                    self._nvme_disk_full()   # the retry's allocation evicts to fit
+                    continue
+                return self._writeback_failed(node, f"write-behind failed: {e}")
+            finally:
+                self.unpin(obj)
+        self._wb_delay = 0.0
         if obj.version != version or not obj.dirty or node.parent is None:
             if extent is not None:
                 self.nvme.free(extent)
             return False
+        try:
+            self.log(index.file_record(node, extent, crcs))
+        except FsError as e:   # not recorded: the copy does not count
+            if extent is not None:
+                self.nvme.free(extent)
+            return self._writeback_failed(node, str(e))
         obj.extent, obj.crcs, obj.persisted = extent, crcs, True
-        self.log(index.file_record(node, extent, crcs))
         if obj.remote_version == version:   # uploaded (or fetched) before it reached NVMe
-            self.log(index.remote_record(node.ino))
+            with contextlib.suppress(FsError):   # a missing mark costs an upload, no more
+                self.log(index.remote_record(node.ino))
         obj.dirty = False
         self.dirty_bytes -= size
         self.lru_nvme[node.ino] = node
@@ -422,6 +442,58 @@ class Tiers:
             # that runs meanwhile (an unlink, an eviction) sees a half-updated object.
             await trio.to_thread.run_sync(self.journal.sync)
         return True
+
+    def _writeback_failed(self, node: Inode, why: str) -> bool:
+        """Counts a failed write-behind (the object stays dirty in DRAM), backs write-behind
+        off, and says so at most once per FAILURE_LOG_S (a full disk fails every attempt)."""
+        self.stats.writeback_failures += 1
+        self._signal_space()   # writers waiting for DRAM re-check (and may get ENOSPC)
+        now = trio.current_time()
+        self._wb_delay = min(max(WRITEBACK_BACKOFF_MIN_S, 2 * self._wb_delay),
+                             WRITEBACK_BACKOFF_MAX_S)
+        self._wb_resume = now + self._wb_delay
+        if now >= self._next_failure_log:
+            more = f" ({self._failures_unlogged} more since the last message)" \
+                if self._failures_unlogged else ""
+            log.warning("inode %d stays in DRAM: %s%s", node.ino, why, more)
+            self._next_failure_log = now + FAILURE_LOG_S
+            self._failures_unlogged = 0
+        else:
+            self._failures_unlogged += 1
+        return False
+
+    def _nvme_disk_full(self) -> None:
+        """ENOSPC from the filesystem under the tier (smaller than configured, or shared and
+        filled by others): the tier's capacity shrinks to what it holds now, so allocations
+        evict older objects and reuse their blocks instead of asking the disk for more."""
+        nvme = self.nvme
+        before = nvme.capacity
+        try:
+            fit = nvme.fit_to_disk()
+        except OSError:
+            fit = before
+        nvme.capacity = min(fit, nvme.used_bytes)
+        nvme.capacity -= nvme.capacity % 4096
+        if nvme.capacity < before:
+            log.warning("the filesystem under the NVMe tier is full: the tier now holds at most "
+                        "%d MiB (was %d MiB); older objects are evicted to make room",
+                        nvme.capacity >> 20, before >> 20)
+        self._pressure.set()
+
+    def refit_nvme(self) -> None:
+        """Gives a tier shrunk by a full disk back the room the filesystem has again."""
+        nvme = self.nvme
+        if nvme is None or nvme.capacity >= nvme.span:
+            return
+        before = nvme.capacity
+        try:
+            after = nvme.fit_to_disk()
+        except OSError:
+            return
+        if after > before:
+            log.info("the NVMe tier may hold %d MiB again (was %d MiB)", after >> 20, before >> 20)
+        else:
+            nvme.capacity = before   # shrunk below the free space by an ENOSPC: keep that
 
     def maybe_pressure_nvme(self) -> None:
         if self.nvme and self.nvme.used_bytes > self.nvme_marks.high * self.nvme.capacity:
@@ -447,6 +519,7 @@ class Tiers:
             node.obj.queued = False
             if node.obj.writers or not node.obj.dirty:
                 continue  # queued again at its last release, or already written
+            await trio.sleep_until(self._wb_resume)   # backing off after failures
             await self._yield_to_writers(node.obj)
             async with node.obj.content_lock():
                 try:
