@@ -50,6 +50,7 @@ OPS: dict[str, tuple[dict, dict]] = {
     "store": ({"fh": U64, "length": U64, "region": U64, "region_offset": U64}, {}),
     "query": ({"fh": U64}, {}),
     "flush": ({"fh": U64}, {}),
+    "fsync": ({"fh": U64}, {}),
     "release": ({"fh": U64}, {}),
     "unlink": (_PARENT_NAME, {}),
     "discard": ({"ino": U64}, {}),

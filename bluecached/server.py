@@ -264,6 +264,10 @@ class ControlServer:
         await self.store.flush(fh)
         return {}
 
+    async def op_fsync(self, session, fh) -> dict:
+        await self.store.fsync(fh)
+        return {}
+
     async def op_release(self, session, fh) -> dict:
         self.store.release(fh)
         return {}

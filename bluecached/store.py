@@ -516,12 +516,22 @@ class Store:
             self.tiers.unpin(obj)
 
     async def flush(self, fh: int) -> None:
+        if self.tiers.write_through:
+            await self._persist(fh, "write-through")
+
+    async def fsync(self, fh: int) -> None:
+        """Returns once the file's content is on NVMe and its index record durable (as far as
+        `durability` asks), so it survives a crash of the daemon. Without an NVMe tier there
+        is nothing more durable than DRAM: a no-op (docs/operations.md)."""
+        await self._persist(fh, "fsync")
+
+    async def _persist(self, fh: int, why: str) -> None:
         node = self._handle(fh).node
         obj = node.obj
-        if self.tiers.write_through and obj.dirty and self.tiers.nvme is not None:
+        if obj.dirty and self.tiers.nvme is not None:
             async with obj.content_lock():
                 if not await self.tiers.writeback(node) and obj.dirty and node.parent is not None:
-                    raise FsError(errno.EIO, "write-through to NVMe failed")
+                    raise FsError(errno.EIO, f"{why}: writing the file to NVMe failed")
 
     def release(self, fh: int) -> None:
         handle = self.handles.pop(fh, None)

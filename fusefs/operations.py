@@ -261,7 +261,7 @@ class Operations(pyfuse3.Operations):
 
     @_boundary
     async def fsync(self, fh, datasync):
-        await self.cache.flush(fh)
+        await self.cache.fsync(fh)
 
     @_boundary
     async def release(self, fh):

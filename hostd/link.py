@@ -47,7 +47,7 @@ PING_INTERVAL = 1.0
 _READ_TAKES_BUFFER = tuple(int(x) for x in pyfuse3.__version__.split(".")[:2]) >= (3, 3)
 
 _IDEMPOTENT = {"lookup", "getattr", "read", "write", "write_batch", "readdir", "statfs", "open",
-               "flush", "ping", "forget", "discard"}
+               "flush", "fsync", "ping", "forget", "discard"}
 MAX_BATCH = 64   # staged writes per write_batch message
 
 
@@ -525,6 +525,14 @@ class DaemonLink:
             if f.error is not None:
                 raise RemoteError(f.error.errno, str(f.error))
         await self.call("flush", host_fh=fh)
+
+    async def fsync(self, fh) -> None:
+        f = self._files.get(fh)
+        if f is not None:
+            await self.inflight.settled(f.ino)
+            if f.error is not None:
+                raise RemoteError(f.error.errno, str(f.error))
+        await self.call("fsync", host_fh=fh)
 
     async def release(self, fh) -> None:
         f = self._files.get(fh)
