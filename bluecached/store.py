@@ -23,6 +23,7 @@ log = logging.getLogger("bluecached.store")
 
 MAX_FILE_SIZE = 1 << 40   # without an NVMe tier; with one, an object is one extent (see below)
 TMP_SUFFIX = b".tmp"
+INODE_LIMIT = 1 << 32   # what statfs reports as the inode total
 
 
 @dataclass(slots=True)
@@ -618,7 +619,9 @@ class Store:
         bsize = 4096
         return {"bsize": bsize, "frsize": bsize, "blocks": capacity // bsize,
                 "bfree": (capacity - used) // bsize, "bavail": (capacity - used) // bsize,
-                "files": len(self.ns.inodes), "ffree": 1 << 32, "namemax": 255}
+                # inodes: no fixed table, so a total of 2^32 with those in use taken off (df -i)
+                "files": INODE_LIMIT, "ffree": INODE_LIMIT - len(self.ns.inodes),
+                "namemax": 255}
 
     # -- operator commands -----------------------------------------------------------------
 

@@ -44,11 +44,13 @@ def test_statfs_tracks_usage_and_atime_moves_on_read(mounted):
     s = mounted(hostd_settings={"mount.attr_timeout": "0s"})
     root = str(s.mnt)
     before = os.statvfs(root)
+    assert before.f_files > before.f_ffree                  # df -i: used is never negative
     path = os.path.join(root, "a.bin")
     with open(path, "wb") as f:
         f.write(pattern("a", 4 * MiB))
     after = os.statvfs(root)
     assert (before.f_bfree - after.f_bfree) * after.f_frsize == 4 * MiB
+    assert before.f_ffree - after.f_ffree == 1 and after.f_files == before.f_files
     atime = os.stat(path).st_atime_ns
     time.sleep(0.05)
     with open(path, "rb") as f:
