@@ -269,6 +269,11 @@ class DaemonLink:
                     args["fhs"] = [await self.daemon_fh(fh) for fh in host_fhs]
                 return await self.client.call(op, timeout=max(remaining, 0.001), **args)
             except RemoteError as e:
+                if e.errno == errno.ECONNREFUSED:
+                    # Not sent (the daemon's socket is gone): safe to send again, whatever the
+                    # op, once it is back; until the deadline, as any request waits.
+                    self._mark_lost(str(e))
+                    continue
                 if e.errno == errno.EPROTO and "hello" in str(e):
                     self._mark_lost("it restarted")
                 elif e.errno == errno.ETIMEDOUT:
