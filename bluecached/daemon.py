@@ -1,8 +1,9 @@
 """bluecached: process entry, service startup order, signals, sd_notify.
 
-Startup: config -> index rebuild -> sockets -> services started one by one (each reports
-ready through nursery.start) -> READY=1. SIGTERM/SIGINT: STOPPING=1, stop serving, write every
-dirty object behind, checkpoint the index. SIGHUP reloads what can change live.
+Startup: config -> lock the state (and NVMe) directory (statelock.py) -> index rebuild ->
+sockets -> services started one by one (each reports ready through nursery.start) -> READY=1.
+SIGTERM/SIGINT: STOPPING=1, stop serving, write every dirty object behind, checkpoint the
+index. SIGHUP reloads what can change live.
 """
 
 import argparse
@@ -15,7 +16,7 @@ from pathlib import Path
 import trio
 import zmq
 
-from . import __version__, config, curve, local_transport, metrics, protocol
+from . import __version__, config, curve, local_transport, metrics, protocol, statelock
 from .dma import EngineUnavailable, RegionTable, make_engine
 from .dma.loopback import serve_regions
 from .dram import DramPool, map_ahead
@@ -100,6 +101,16 @@ class Daemon:
     def __init__(self, cfg, config_path: Path | None):
         self.cfg = cfg
         self.config_path = config_path
+        # Before anything under the state and NVMe directories is touched (sockets, journal):
+        # a second daemon on them must not start. Held for the process's lifetime.
+        nvme_dir = Path(cfg.tiers.nvme.path) if cfg.tiers.nvme.size else None
+        try:
+            self.locks = statelock.lock_directories(Path(cfg.state_dir), nvme_dir)
+        except statelock.DirectoryInUse as e:
+            raise StartupError(str(e)) from None
+        except OSError as e:
+            raise StartupError(f"cannot lock {e.filename or cfg.state_dir}: {e.strerror}") \
+                from None
         self.notifier = Notifier()
         try:
             self.engine = make_engine(cfg.engine, cfg.doca)
