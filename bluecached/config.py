@@ -26,6 +26,8 @@ from typing import Any
 
 import yaml
 
+from .dram import CHUNK_SIZE
+
 DEFAULT_PATH = Path("/etc/bluecache/bluecached.yaml")
 
 KiB, MiB, GiB, TiB = 1 << 10, 1 << 20, 1 << 30, 1 << 40
@@ -146,8 +148,18 @@ def as_size(*, minimum: int = 0, maximum: int = MAX_SIZE, multiple: int = 1) -> 
     return parse
 
 
-def as_duration() -> Parser:
-    return parse_duration
+def as_duration(*, minimum: float = 0.0) -> Parser:
+    """A duration in seconds; `minimum` where a shorter one cannot work (a timeout of 0)."""
+    if not minimum:
+        return parse_duration
+
+    def parse(value: Any) -> float:
+        seconds = parse_duration(value)
+        if seconds < minimum:
+            raise ValueError(f"expected a duration of at least {minimum:g}s, got {_show(value)}")
+        return seconds
+
+    return parse
 
 
 def as_fraction(*, allow_one: bool) -> Parser:
@@ -568,13 +580,14 @@ BLUECACHED = Schema("Config", (
                            "Directory with the CURVE keys that secure tcp:// sockets."),
         "max_message_bytes": Field(as_size(minimum=1 * KiB, maximum=16 * MiB), 65536,
                                    "Largest control message accepted (1KiB to 16MiB)."),
-        "session_timeout": Field(as_duration(), "2m",
+        "session_timeout": Field(as_duration(minimum=5), "2m",
                                  "A client silent this long is gone: its open handles and "
                                  "kernel references are released (hostd pings every second)."),
     }),
     "tiers": Schema("TiersConfig", "Storage tiers, fastest first.", {
         "dram": Schema("DramConfig", "DRAM tier: the first stop for every write.", {
-            "size": Field(as_size(minimum=1), "4GiB", "Memory reserved for cached chunks."),
+            "size": Field(as_size(minimum=CHUNK_SIZE), "4GiB",
+                          "Memory reserved for cached chunks (1MiB each; at least one)."),
             "prefault": Field(as_size(), "256MiB",
                               "Free memory kept mapped and touched ahead of need (in the "
                               "background), so requests do not pay page faults for fresh "
@@ -643,7 +656,7 @@ BLUECACHED = Schema("Config", (
                               "GET's body is not signed either way); on: for an endpoint whose "
                               "policy demands signed payloads. It costs a SHA-256 pass over "
                               "each upload on both ends."),
-        "timeout": Field(as_duration(), "5s",
+        "timeout": Field(as_duration(minimum=0.1), "5s",
                          "Connect and read timeout of each S3 request; a request that gets no "
                          "answer marks the tier unreachable."),
         "admission": Field(as_choice("all", "reread", "age"), "all",
@@ -674,14 +687,14 @@ BLUECACHED = Schema("Config", (
                                     "free at once is dropped, and the read fetches instead."),
         "negative_ttl": Field(as_duration(), "2s",
                               "A name the remote tier lacked is not asked for again this long."),
-        "retry_interval": Field(as_duration(), "5s",
+        "retry_interval": Field(as_duration(minimum=0.1), "5s",
                                 "While unreachable, probe the endpoint this often."),
         "max_bytes": Field(as_size(), 0,
                            "Remote capacity under the prefix; the oldest objects are deleted "
                            "past it (down to 90%). 0: unbounded."),
         "max_age": Field(as_duration(), 0,
                          "Objects older than this are deleted. 0: kept until max_bytes."),
-        "enforce_interval": Field(as_duration(), "1m",
+        "enforce_interval": Field(as_duration(minimum=1), "1m",
                                   "How often max_bytes and max_age are enforced (one listing "
                                   "of the prefix each time)."),
     }, check=_remote_complete),

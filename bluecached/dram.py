@@ -6,17 +6,32 @@ chunks is what pwritev/preadv with O_DIRECT want. Freed chunks are kept for reus
 cache does not pay mmap + page faults for every object.
 """
 
+import logging
 import mmap
+import os
 import time
 
 import trio
 
 CHUNK_SIZE = 1 << 20
 
+log = logging.getLogger("bluecached.dram")
+
+
+def physical_memory() -> int:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
 
 class DramPool:
     def __init__(self, capacity: int):
         self.capacity = capacity - capacity % CHUNK_SIZE
+        memory = physical_memory()
+        if self.capacity > memory:
+            # Chunks are mapped as they are needed, so this starts; a full tier would then be
+            # swapped or killed by the OOM killer, taking every cached byte with it.
+            log.warning("the DRAM tier (tiers.dram.size, %d MiB) is larger than this machine's "
+                        "memory (%d MiB): it will never fill without the OOM killer stepping in",
+                        self.capacity >> 20, memory >> 20)
         self._free: list[mmap.mmap] = []
         self._in_use = 0
         # Told before a chunk is unmapped (a DMA engine may hold a registration on it).

@@ -50,7 +50,7 @@ HOSTD = Schema("HostdConfig", (
         "curve_dir": Field(as_path(), "/etc/bluecache/curve",
                            "tcp only: this host's CURVE key pair and the daemon's public key."),
         "curve_name": Field(_as_name, "client", "tcp only: this host's key pair name."),
-        "request_timeout": Field(as_duration(), "30s",
+        "request_timeout": Field(as_duration(minimum=0.1), "30s",
                                  "How long an operation waits for bluecached (e.g. while it "
                                  "restarts) before it fails with EIO."),
     }),

@@ -156,7 +156,10 @@ def test_unknown_nested_key_message_exactly(tmp_path):
     ("control: {curve_dir: null}\n", "control.curve_dir", "absolute path"),
     ("control: {max_message_bytes: 1000}\n", "control.max_message_bytes", "between 1KiB and 16MiB"),
     ("control: {max_message_bytes: 17MiB}\n", "control.max_message_bytes", "and 16MiB"),
-    ("tiers: {dram: {size: 0}}\n", "tiers.dram.size", "at least 1B"),
+    ("tiers: {dram: {size: 0}}\n", "tiers.dram.size", "at least 1MiB"),
+    ("tiers: {dram: {size: 1000KiB}}\n", "tiers.dram.size", "at least 1MiB"),   # no chunk
+    ("control: {session_timeout: 0}\n", "control.session_timeout", "at least 5s"),
+    ("remote: {timeout: 0}\n", "remote.timeout", "at least 0.1s"),
     ("tiers: {dram: {size: -1}}\n", "tiers.dram.size", "expected a size"),
     ("tiers: {dram: {size: 1.5}}\n", "tiers.dram.size", "expected a size"),
     ("tiers: {dram: {size: [1]}}\n", "tiers.dram.size", "expected a size"),
@@ -464,3 +467,18 @@ def test_garbage_overrides_only_ever_raise_config_error(key, value):
         load_config(None, {key: value})
     except ConfigError:
         pass
+
+
+def test_hostd_request_timeout_of_zero_is_refused(tmp_path):
+    from hostd import config as hostd_config
+    path = tmp_path / "hostd.yaml"
+    path.write_text("daemon: {request_timeout: 0}\n")
+    with pytest.raises(ConfigError, match=r"daemon\.request_timeout: expected a duration of "
+                                          r"at least 0\.1s"):
+        hostd_config.load_config(path)
+
+
+def test_a_dram_tier_larger_than_memory_is_warned_about(caplog):
+    from bluecached.dram import DramPool, physical_memory
+    DramPool(physical_memory() * 2)   # mapped on demand: costs nothing here
+    assert "larger than this machine's memory" in caplog.text
