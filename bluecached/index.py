@@ -105,20 +105,31 @@ class _Replayer:
             self.ns._link(parent, name, node)
         return True
 
+    @staticmethod
+    def _attrs(node: Inode, fields) -> None:
+        mode, uid, gid, atime, mtime, ctime = fields
+        node.mode, node.uid, node.gid = mode, uid, gid
+        node.atime_ns, node.mtime_ns, node.ctime_ns = atime, mtime, ctime
+
     def apply(self, rec) -> None:
         tag = rec[0]
         if tag == BOOT:
             self.out.boot = max(self.out.boot, rec[1])
         elif tag in (DIR, FILE):
-            ino, parent, name, mode, uid, gid, atime, mtime, ctime = rec[1:10]
+            ino, parent, name = rec[1:4]
+            if ino == ROOT_INO:
+                # the root has no (parent, name): the store journals its setattr as DIR(root)
+                if tag == FILE:
+                    raise ValueError("a FILE record for the root")
+                self._attrs(self.ns.inodes[ROOT_INO], rec[4:10])
+                return
             node = self.ns.inodes.get(ino)
             if node is None or node.is_dir != (tag == DIR):
                 if node is not None:
                     self.drop(ino)
-                node = Inode(ino, mode, uid, gid, ctime)
+                node = Inode(ino, rec[4], rec[5], rec[6], rec[9])
                 self.ns.inodes[ino] = node
-            node.mode, node.uid, node.gid = mode, uid, gid
-            node.atime_ns, node.mtime_ns, node.ctime_ns = atime, mtime, ctime
+            self._attrs(node, rec[4:10])
             if not self.place(node, parent, name):
                 return
             if tag == FILE:
@@ -134,8 +145,7 @@ class _Replayer:
         elif tag == ATTR:
             node = self.ns.inodes.get(rec[1])
             if node is not None:
-                (node.mode, node.uid, node.gid,
-                 node.atime_ns, node.mtime_ns, node.ctime_ns) = rec[2:8]
+                self._attrs(node, rec[2:8])
         elif tag == DROP:
             self.drop(rec[1])
         elif tag == REMOTE:
@@ -162,8 +172,9 @@ def replay(ns: Namespace, records) -> Replayed:
 def snapshot_records(ns: Namespace, persisted: dict[int, tuple[Extent | None, bytes]],
                      boot: int, remote: set[int] = frozenset()) -> list:
     """The records that rebuild the current persisted state: directories before their
-    children, only files whose current content is on NVMe."""
-    out = [(BOOT, boot)]
+    children, only files whose current content is on NVMe. The root is always there: only its
+    attributes are recorded (an operator's chown or chmod of the mount)."""
+    out = [(BOOT, boot), attr_record(ns.inodes[ROOT_INO])]
     for node in ns.walk():
         if node.ino == ROOT_INO:
             continue

@@ -209,3 +209,22 @@ def test_checkpoint_while_serving_loses_nothing(harness):
 
     run(check)
     h.check_consistency()
+
+
+@pytest.mark.parametrize("clean", [True, False], ids=["sigterm", "sigkill"])
+def test_the_roots_owner_mode_and_times_survive_restarts(harness, caplog, clean):
+    """An operator chowns/chmods the mount so vLLM's user can write: that must outlive a
+    restart of bluecached, both clean (snapshot) and killed (journal replay), and one restart
+    after another (the replayed root is snapshotted again)."""
+    h = harness()
+    root = h.store.root()
+    run(h.store.setattr, ROOT_INO, None, 0o1777, 1234, 5678, 11 * 10**9, 22 * 10**9)
+    want = (root.mode, root.uid, root.gid, root.atime_ns, root.mtime_ns, root.ctime_ns)
+    assert want[:5] == (0o41777, 1234, 5678, 11 * 10**9, 22 * 10**9)
+    for restart in (clean, True, False):
+        caplog.clear()
+        h.reopen(clean=restart)
+        root = h.store.root()
+        assert (root.mode, root.uid, root.gid, root.atime_ns, root.mtime_ns,
+                root.ctime_ns) == want
+        assert not [r for r in caplog.records if r.levelname in ("WARNING", "ERROR")]
