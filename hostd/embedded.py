@@ -3,15 +3,18 @@ the cache mounted and ready for a connector.
 
 Each daemon is started as its own process (as systemd would) with a config written into the
 state dir, and reports READY=1 on a notify socket this supervisor listens on. SIGINT/SIGTERM
-stop hostd first (unmount), then bluecached (write-behind and index checkpoint).
+stop hostd first (unmount), then bluecached (write-behind and index checkpoint). If the
+supervisor itself dies (SIGKILL included), the kernel sends both children SIGTERM.
 """
 
 import contextlib
+import ctypes
 import os
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -23,6 +26,27 @@ DEFAULT_MOUNT = "/mnt/kv-cache"
 DEFAULT_STATE = "/var/lib/bluecache"
 
 
+PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent(parent: int):
+    """A preexec_fn: the child gets SIGTERM when this supervisor dies, even by SIGKILL, so no
+    daemon is left running unsupervised. SIGTERM, not SIGKILL: bluecached persists its cache
+    and hostd unmounts, as on Ctrl-C. The kernel sends it when the thread that forked the child
+    exits, so children are started from the main thread only (it lives as long as `up`)."""
+    if threading.current_thread() is not threading.main_thread():
+        raise RuntimeError("daemons must be started from the main thread")
+    prctl = ctypes.CDLL(None, use_errno=True).prctl   # looked up before the fork
+
+    def preexec() -> None:
+        if prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0) != 0:
+            os._exit(127)
+        if os.getppid() != parent:   # the supervisor died before the prctl: nobody to signal
+            os._exit(1)
+
+    return preexec
+
+
 class Child:
     def __init__(self, name: str, argv: list[str], notify_path: Path, log_path: Path | None):
         self.name = name
@@ -32,7 +56,10 @@ class Child:
         self.notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         self.notify.bind(str(notify_path))
         env = dict(os.environ, NOTIFY_SOCKET=str(notify_path), PYTHONUNBUFFERED="1")
-        self.proc = subprocess.Popen(argv, env=env, start_new_session=True)
+        # Its own session (a terminal's Ctrl-C reaches only this supervisor, which stops the
+        # children in order), but it dies with the supervisor: see _die_with_parent.
+        self.proc = subprocess.Popen(argv, env=env, start_new_session=True,
+                                     preexec_fn=_die_with_parent(os.getpid()))
 
     def wait_ready(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout

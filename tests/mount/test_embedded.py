@@ -3,12 +3,15 @@ prints `ready` once the mount serves, serves a connector, and on Ctrl-C stops bo
 unmounts and keeps the cache for the next start."""
 
 import json
+import os
 import queue
 import signal
 import subprocess
 import sys
 import threading
+import time
 import urllib.request
+from pathlib import Path
 
 import pytest
 
@@ -61,6 +64,24 @@ class Up:
         while (line := self._queue.get(timeout=10)) is not None:
             self.lines.append(line)
         return code
+
+    def children(self) -> dict[str, int]:
+        """The daemons `up` started, by module name: {"bluecached": pid, "hostd": pid}."""
+        pid = self.proc.pid
+        out = {}
+        for child in Path(f"/proc/{pid}/task/{pid}/children").read_text().split():
+            argv = Path(f"/proc/{child}/cmdline").read_bytes().split(b"\0")
+            if b"-m" in argv:
+                out[argv[argv.index(b"-m") + 1].decode().split(".")[0]] = int(child)
+        return out
+
+    def rest(self, timeout: float = 120) -> str:
+        """Everything printed until the last writer of the pipe (up or a child) is gone."""
+        deadline = time.monotonic() + timeout
+        while (line := self._queue.get(timeout=max(0.1, deadline - time.monotonic()))) \
+                is not None:
+            self.lines.append(line)
+        return "".join(self.lines)
 
     def kill(self):
         if self.proc.poll() is None:
@@ -115,3 +136,51 @@ def test_up_refuses_a_bad_size_naming_it(tmp_path):
                         "--dram-size", "lots"], capture_output=True, text=True, timeout=60)
     assert r.returncode == 2
     assert "lots" in r.stderr and "dram" in r.stderr
+
+
+def _running(pid: int) -> bool:
+    """The process exists and is not a zombie (an orphan's reaper may be slow to reap)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return False
+    return stat.rpartition(")")[2].split()[0] != "Z"
+
+
+def test_sigkill_of_up_stops_both_daemons_cleanly(tmp_path):
+    """`up` killed with SIGKILL (no chance to stop its children): the kernel sends bluecached
+    and hostd SIGTERM (PR_SET_PDEATHSIG), so they do not run on unsupervised: hostd unmounts,
+    bluecached persists the cache, and the next `up` serves it."""
+    data = pattern("orphan", 16 * MiB)
+    name = block_name(7)
+    up = Up(tmp_path)
+    children = {}
+    try:
+        up.wait_for("ready")
+        children = up.children()
+        assert sorted(children) == ["bluecached", "hostd"], children
+        assert llmd_write(up.mnt, name, data, "a")
+        up.proc.kill()
+        up.proc.wait(timeout=30)
+        deadline = time.monotonic() + 60
+        while any(_running(pid) for pid in children.values()) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        left = {n: pid for n, pid in children.items() if _running(pid)}
+        assert not left, f"still running after `up` was killed: {left}"
+        assert not is_mounted(up.mnt)
+        output = up.rest()
+        assert "stopped cleanly" in output, output      # bluecached's SIGTERM path
+        assert not _log_problems(up.lines), output
+    finally:
+        for pid in children.values():
+            if _running(pid):
+                os.kill(pid, signal.SIGKILL)
+        up.kill()
+
+    again = Up(tmp_path)
+    try:
+        again.wait_for("ready")
+        assert llmd_read(again.mnt, name) == data
+        assert again.stop() == 0, "".join(again.lines)
+    finally:
+        again.kill()
