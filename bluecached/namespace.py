@@ -68,9 +68,16 @@ class Inode:
         }
 
 
-def check_name(name: bytes) -> None:
+def check_length(name: bytes) -> None:
+    """Every operation that takes a name refuses one longer than NAME_MAX, as Linux file
+    systems do: a lookup too, so chmod or unlink of such a name is ENAMETOOLONG, not ENOENT."""
     if len(name) > NAME_MAX:
         raise FsError(errno.ENAMETOOLONG, f"name is {len(name)} bytes, the limit is {NAME_MAX}")
+
+
+def check_name(name: bytes) -> None:
+    """A name a new entry may get."""
+    check_length(name)
     if not name or name in (b".", b"..") or b"/" in name or b"\0" in name:
         raise FsError(errno.EINVAL, f"invalid file name {name!r}")
 
@@ -101,6 +108,7 @@ class Namespace:
         return node
 
     def lookup(self, parent: int, name: bytes) -> Inode:
+        check_length(name)
         entry = self.directory(parent).children.get(name)
         if entry is None:
             raise FsError(errno.ENOENT)

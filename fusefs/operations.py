@@ -35,6 +35,15 @@ _TO_EIO = {
 # 1 MiB requests go straight to the daemon (faster for this workload than readahead).
 DIRECT_IO = True
 
+# The longest name the cache takes (its statfs f_namemax). The cache refuses longer names in
+# every operation; the ones answered here without asking it check it themselves.
+NAME_MAX = 255
+
+
+def _check_name(name: bytes) -> None:
+    if len(name) > NAME_MAX:
+        raise pyfuse3.FUSEError(errno.ENAMETOOLONG)
+
 
 def errno_for(e: OSError) -> int:
     """The errno an application sees for a cache failure."""
@@ -235,6 +244,7 @@ class Operations(pyfuse3.Operations):
 
     @_boundary
     async def mknod(self, parent_inode, name, mode, rdev, ctx):
+        _check_name(name)
         if not stat.S_ISREG(mode):
             raise pyfuse3.FUSEError(errno.EPERM)  # no devices, fifos or sockets in a cache
         fh, attr = await self.cache.create(parent_inode, name, mode, ctx.uid, ctx.gid,
@@ -275,9 +285,11 @@ class Operations(pyfuse3.Operations):
     # connectors (who never lock) need.
 
     async def symlink(self, parent_inode, name, target, ctx):
+        _check_name(name)
         raise pyfuse3.FUSEError(errno.EPERM)
 
     async def link(self, inode, new_parent_inode, new_name, ctx):
+        _check_name(new_name)
         raise pyfuse3.FUSEError(errno.EPERM)
 
     async def readlink(self, inode, ctx):

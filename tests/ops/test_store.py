@@ -228,3 +228,43 @@ def test_the_roots_owner_mode_and_times_survive_restarts(harness, caplog, clean)
         assert (root.mode, root.uid, root.gid, root.atime_ns, root.mtime_ns,
                 root.ctime_ns) == want
         assert not [r for r in caplog.records if r.levelname in ("WARNING", "ERROR")]
+
+
+def test_a_name_over_255_bytes_is_enametoolong_in_every_operation(harness):
+    """ENAMETOOLONG, as on any Linux file system, never ENOENT: the kernel looks a name up
+    before chmod, chown, truncate, unlink, ... so the lookup must say it too."""
+    h = harness()
+    store = h.store
+    ok = b"k" * 255
+    d = store.mkdir(ROOT_INO, b"d", 0o755, 0, 0).ino
+    run(h.put, "/d/" + ok.decode(), b"x")
+    store.mkdir(d, b"s" * 255, 0o755, 0, 0)
+
+    async def each(name: bytes) -> dict:
+        calls = {
+            "lookup": lambda: store.lookup(d, name),
+            "find": lambda: store.find(d, name),
+            "create": lambda: store.create(d, name, 0o644, 0, 0, os.O_WRONLY | os.O_CREAT),
+            "mkdir": lambda: store.mkdir(d, name, 0o755, 0, 0),
+            "unlink": lambda: store.unlink(d, name),
+            "rmdir": lambda: store.rmdir(d, name),
+            "rename from": lambda: store.rename(d, name, d, b"other"),
+            "rename to": lambda: store.rename(d, ok, d, name),
+        }
+        got = {}
+        for op, call in calls.items():
+            try:
+                result = call()
+                if hasattr(result, "__await__"):
+                    await result
+                got[op] = 0
+            except FsError as e:
+                got[op] = e.errno
+        return got
+
+    for length in (256, 4096):
+        got = run(each, b"n" * length)
+        assert got == dict.fromkeys(got, errno.ENAMETOOLONG), length
+    assert sorted(n for n, _, _ in store.ns.readdir(d, 0, 10)) == [b"k" * 255, b"s" * 255]
+    assert store.lookup(d, ok).size == 1
+
