@@ -14,9 +14,12 @@ import trio
 
 from . import __version__, protocol
 from .dma import DmaError, RegionTable
+from .log_limit import LogLimiter
 from .namespace import FsError, Inode
 from .store import Store
 from .zmqpump import SocketPump
+
+BAD_MESSAGE_LOG_S = 60.0   # bad control messages are logged at most this often (and counted)
 
 log = logging.getLogger("bluecached.server")
 
@@ -47,6 +50,7 @@ class ControlServer:
         # `replaces`, and a count from 1 would end whoever holds that number here (seen: a
         # bluecachectl session cut off by hostd's reconnect, "say hello first").
         self._session_ids = itertools.count(int.from_bytes(os.urandom(4), "big") << 20)
+        self._bad_message_log = LogLimiter(BAD_MESSAGE_LOG_S)
         self.requests = 0
         self.bad_messages = 0
         self._peers: dict[bytes, object] = {}   # local SEQPACKET clients by identity
@@ -79,7 +83,9 @@ class ControlServer:
     def _on_message(self, frames: list[bytes]) -> None:
         if len(frames) != 2:  # ROUTER adds the identity; a client sends exactly one frame
             self.bad_messages += 1
-            log.warning("dropped a control message with %d frames", len(frames))
+            note = self._bad_message_log.allow()
+            if note is not None:
+                log.warning("dropped a control message with %d frames%s", len(frames), note)
             return
         self.on_frame(*frames)
 
@@ -102,7 +108,9 @@ class ControlServer:
             request = protocol.decode_request(frame, self.max_message_bytes)
         except protocol.ProtocolError as e:
             self.bad_messages += 1
-            log.warning("bad control message (%d bytes): %s", len(frame), e)
+            note = self._bad_message_log.allow()
+            if note is not None:   # a client sending garbage must not flood the journal
+                log.warning("bad control message (%d bytes): %s%s", len(frame), e, note)
             self._reply(identity, protocol.encode_error(e.request_id, e.errno, str(e)))
             return
         except Exception:  # a decoder bug must cost one message, not the daemon

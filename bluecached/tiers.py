@@ -18,6 +18,7 @@ import trio
 from . import crc, index
 from .dram import CHUNK_SIZE, DramPool
 from .journal import Journal
+from .log_limit import LogLimiter
 from .namespace import FsError, Inode
 from .nvme import SegmentStore
 from .objects import ZERO_CHUNK, StoredObject, chunk_count
@@ -112,8 +113,7 @@ class Tiers:
         self._known_crcs: dict[int, tuple[int, bytes]] = {}   # ino -> (version, chunk CRCs)
         self._wb_delay = 0.0            # write-behind's back-off after failures, and until when
         self._wb_resume = -1e9
-        self._next_failure_log = -1e9
-        self._failures_unlogged = 0
+        self._failure_log = LogLimiter(FAILURE_LOG_S)
 
     # -- journal ---------------------------------------------------------------------------
 
@@ -448,18 +448,12 @@ class Tiers:
         off, and says so at most once per FAILURE_LOG_S (a full disk fails every attempt)."""
         self.stats.writeback_failures += 1
         self._signal_space()   # writers waiting for DRAM re-check (and may get ENOSPC)
-        now = trio.current_time()
         self._wb_delay = min(max(WRITEBACK_BACKOFF_MIN_S, 2 * self._wb_delay),
                              WRITEBACK_BACKOFF_MAX_S)
-        self._wb_resume = now + self._wb_delay
-        if now >= self._next_failure_log:
-            more = f" ({self._failures_unlogged} more since the last message)" \
-                if self._failures_unlogged else ""
-            log.warning("inode %d stays in DRAM: %s%s", node.ino, why, more)
-            self._next_failure_log = now + FAILURE_LOG_S
-            self._failures_unlogged = 0
-        else:
-            self._failures_unlogged += 1
+        self._wb_resume = trio.current_time() + self._wb_delay
+        note = self._failure_log.allow()
+        if note is not None:
+            log.warning("inode %d stays in DRAM: %s%s", node.ino, why, note)
         return False
 
     def _nvme_disk_full(self) -> None:

@@ -17,11 +17,13 @@ Client memory:
 
 import ctypes
 import errno
+import fcntl
 import logging
 import mmap
 from dataclasses import dataclass
 
 log = logging.getLogger("hostd.doca")
+WRITE_SEALS = fcntl.F_SEAL_WRITE | 0x0010   # F_SEAL_FUTURE_WRITE (Linux 5.1; not in fcntl)
 DMABUF_IOVA = 1 << 44   # page-aligned, and far from any host address (see export_dmabuf)
 
 
@@ -108,7 +110,13 @@ class MappedFd:
 
     def __init__(self, fd: int, length: int):
         try:
-            self.map = mmap.mmap(fd, length, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            # A memfd sealed against writing cannot be mapped shared and writable; a private
+            # mapping has the same pages (the seal keeps them unchanged), which is all the
+            # source of a STORE needs. Such memory is never the target of a LOAD.
+            sealed = bool(fcntl.fcntl(fd, fcntl.F_GET_SEALS) & WRITE_SEALS)
+            self.writable = not sealed
+            share = mmap.MAP_PRIVATE if sealed else mmap.MAP_SHARED
+            self.map = mmap.mmap(fd, length, share, mmap.PROT_READ | mmap.PROT_WRITE)
         except OSError as e:
             raise ExportError(errno.EOPNOTSUPP, f"cannot map the client's memory: {e}") from None
         self.address = ctypes.addressof(ctypes.c_char.from_buffer(self.map))

@@ -326,6 +326,11 @@ class IoctlServer:
                 export = exporter.export_dmabuf(fd, x.mem_offset, x.length, writable=not store)
             else:
                 mapped = MappedFd(fd, x.mem_offset + x.length)
+                if not store and not mapped.writable:
+                    mapped.close()
+                    raise IoctlError(errno.EPERM, "the memfd is sealed against writing: it can "
+                                                  "be the source of a STORE, not the target "
+                                                  "of a LOAD")
                 try:
                     export = exporter.export(mapped.address + x.mem_offset, x.length,
                                              writable=not store)

@@ -25,6 +25,7 @@ from .engine import DmaEngine, DmaError, Region
 
 MAX_REGION = 1 << 40
 POPULATE_LIMIT = 256 << 20
+WRITE_SEALS = fcntl.F_SEAL_WRITE | 0x0010   # F_SEAL_FUTURE_WRITE (Linux 5.1; not in fcntl)
 
 
 class LoopbackEngine(DmaEngine):
@@ -46,6 +47,7 @@ class LoopbackEngine(DmaEngine):
         kind, fd, length = source
         if not 0 < length <= MAX_REGION:
             raise DmaError(errno.EINVAL, f"region length {length} is out of range")
+        seals = 0
         try:
             size = os.fstat(fd).st_size
             if kind == "memfd":
@@ -66,11 +68,15 @@ class LoopbackEngine(DmaEngine):
             # first copy (a 32 MiB block is 8192 faults). Not for huge regions: populating
             # would allocate every page of a sparse memfd.
             populate = mmap.MAP_POPULATE if length <= POPULATE_LIMIT else 0
-            mapping = mmap.mmap(fd, length, mmap.MAP_SHARED | populate,
-                                mmap.PROT_READ | mmap.PROT_WRITE)
+            # A memfd sealed against writing cannot be mapped shared and writable; a private
+            # mapping reads the same pages (nothing writes them: the seal says so) and serves
+            # as a STORE's source. Such a region refuses to be a LOAD's target.
+            sealed = bool(seals & WRITE_SEALS)
+            share = mmap.MAP_PRIVATE if sealed else mmap.MAP_SHARED
+            mapping = mmap.mmap(fd, length, share | populate, mmap.PROT_READ | mmap.PROT_WRITE)
         except OSError as e:  # e.g. a GPU dma-buf: only the DOCA engine can import that
             raise DmaError(errno.EOPNOTSUPP, f"cannot map this {kind}: {e.strerror}") from None
-        return Region(length, kind, (mapping, memoryview(mapping)), owner)
+        return Region(length, kind, (mapping, memoryview(mapping), not sealed), owner)
 
     def _register_cuda(self, handle: bytes, offset: int, length: int, owner=None) -> Region:
         if not 0 < length <= MAX_REGION or offset < 0:
@@ -94,7 +100,7 @@ class LoopbackEngine(DmaEngine):
             cuda, base, _ = region.handle
             cuda.close_ipc(base)
             return
-        mapping, view = region.handle
+        mapping, view, _ = region.handle
         view.release()
         mapping.close()
 
@@ -115,7 +121,10 @@ class LoopbackEngine(DmaEngine):
             cuda, _, start = region.handle
             await trio.to_thread.run_sync(cuda.host_to_device, src, start + offset)
             return
-        dst = region.handle[1]
+        _, dst, writable = region.handle
+        if not writable:
+            raise DmaError(errno.EPERM, "the memfd is sealed against writing: it can be the "
+                                        "source of a STORE, not the target of a LOAD")
         pairs = []
         for s in src:
             pairs.append((dst[offset:offset + len(s)], s))
@@ -207,8 +216,8 @@ async def _serve_connection(conn, table) -> None:
         log.info("region client went away: %s", e)
     finally:
         released = table.remove_owner(owner)
-        if released:
-            log.info("released %d regions of a closed client connection", released)
+        if released:   # every zero-copy request closes its connection: not worth INFO
+            log.debug("released %d regions of a closed client connection", released)
         conn.close()
 
 

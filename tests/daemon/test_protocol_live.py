@@ -51,6 +51,27 @@ def test_malformed_messages_get_errors_and_the_daemon_keeps_serving(daemon):
     assert d.proc.poll() is None
 
 
+def test_a_flood_of_bad_messages_is_counted_not_logged_line_by_line(daemon):
+    d = daemon(allow_log=["bad control message"]).start()
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(d.endpoints["control"])
+    for _ in range(2000):
+        sock.send(b"\xc1")
+    answered = 0
+    while answered < 2000 and sock.poll(5000):
+        sock.recv()
+        answered += 1
+    sock.close()
+    client = d.client()
+    try:
+        assert client.call("stats")["bad_messages"] == 2000
+    finally:
+        client.close()
+    lines = [line for line in d.log_text().splitlines() if "bad control message" in line]
+    assert len(lines) == 1, lines
+
+
 def test_version_handshake_refuses_unknown_versions(daemon):
     d = daemon().start()
     sock = zmq.Context.instance().socket(zmq.DEALER)

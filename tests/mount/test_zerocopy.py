@@ -76,6 +76,8 @@ def test_store_load_query_byte_exact_with_no_copy_by_hostd(mounted):
         assert load_into(path, part, offset=5 * MiB) == 2 * MiB
         assert dst.view()[MiB:3 * MiB] == data[5 * MiB:7 * MiB]
         part.release()
+    # a transfer is routine: no line per request at INFO in either daemon's log
+    assert "released 1 regions" not in s.daemon.log_text()
 
 
 def query_counters(s) -> dict:
@@ -226,6 +228,28 @@ def test_cuda_handle_where_cuda_is_unusable_is_refused_and_stores_nothing(victim
     assert any(m in why for m in ("cuda-python", "CUDA driver", "CUDA device")), why
     with SharedBuffer(4096) as b:                  # still serving
         assert store_from(str(s.mnt / "after-cuda.bin"), b) == 4096
+
+
+def test_a_write_sealed_memfd_is_a_store_source_not_a_load_target(victim):
+    s, path, buf = victim
+    data = pattern("sealed", MiB)
+    fd = os.memfd_create("sealed", os.MFD_ALLOW_SEALING)
+    try:
+        os.write(fd, data)
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS,
+                    fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_WRITE)
+        (s.mnt / "sealed.bin").write_bytes(b"")
+        out = abi.Xfer.unpack(raw_ioctl(str(s.mnt / "sealed.bin"), abi.IOC_STORE,
+                                        xfer(buf, fd=fd, length=MiB)))
+        assert out.result_length == MiB
+        assert (s.mnt / "sealed.bin").read_bytes() == data
+        with pytest.raises(OSError) as e:        # the fixture checks the victim is unchanged
+            raw_ioctl(path, abi.IOC_LOAD, xfer(buf, fd=fd, length=MiB))
+        assert e.value.errno == errno.EPERM
+        assert "sealed against writing" in s.hostd.log.read_text() + s.daemon.log_text()
+        assert os.pread(fd, MiB, 0) == data
+    finally:
+        os.close(fd)
 
 
 def test_closed_and_unsealed_fds(victim):
