@@ -311,3 +311,38 @@ def test_random_payloads_never_break_the_daemon(victim):
                                errno.EOPNOTSUPP), e
     with SharedBuffer(4096) as b:                  # still serving
         store_from(str(s.mnt / "after.bin"), b)
+
+
+def test_a_load_during_stores_to_the_same_file_sees_one_whole_version(mounted):
+    s = mounted(**{"tiers.dram.size": "512MiB"})
+    path = str(s.mnt / "contended.bin")
+    versions = [pattern(f"v{k}", 8 * MiB) for k in range(2)]
+    (s.mnt / "contended.bin").write_bytes(versions[0])
+    stop = threading.Event()
+    seen, errors = set(), []
+
+    def storer(k):
+        with SharedBuffer(8 * MiB) as src:
+            src.view()[:] = versions[k]
+            while not stop.is_set():
+                try:
+                    raw_ioctl(path, abi.IOC_STORE, xfer(src, length=8 * MiB))
+                except OSError as e:
+                    errors.append(e)
+                    return
+
+    threads = [threading.Thread(target=storer, args=(k,)) for k in range(2)]
+    for t in threads:
+        t.start()
+    try:
+        with SharedBuffer(8 * MiB) as dst:
+            for _ in range(40):
+                raw_ioctl(path, abi.IOC_LOAD, xfer(dst, length=8 * MiB), mode=os.O_RDONLY)
+                got = bytes(dst.view())
+                assert got in versions, "a LOAD mixed two STOREs"
+                seen.add(versions.index(got))
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(30)
+    assert not errors
