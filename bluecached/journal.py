@@ -107,7 +107,7 @@ class Journal:
 
     def __init__(self, path: Path, durable: bool = True):
         self.path = Path(path)
-        self.path.mkdir(parents=True, exist_ok=True)
+        self.path.mkdir(mode=0o700, parents=True, exist_ok=True)   # the index names every file
         self.durable = durable
         self.generation = -1  # of the journal appends go to; set by load()
         self.journal_bytes = 0
@@ -189,7 +189,7 @@ class Journal:
     def _open_journal(self, gen: int) -> None:
         path = self.path / _journal_name(gen)
         existed = path.exists()
-        self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
         self.journal_bytes = os.fstat(self._fd).st_size
         self._reserved_to = 0
         self._reserve()
@@ -293,7 +293,7 @@ class Journal:
     def _write_snapshot_file(self, gen: int, records: Iterable) -> None:
         tmp = self.path / (SNAP_NAME + ".tmp")
         try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
             try:
                 count = self._write_snapshot(fd, gen, records)
                 if self.durable:

@@ -137,7 +137,7 @@ class SegmentStore:
         if o_direct not in ("auto", "on", "off"):
             raise ValueError(f"o_direct must be 'auto', 'on' or 'off', not {o_direct!r}")
         self.path = Path(path)
-        self.path.mkdir(parents=True, exist_ok=True)
+        self.path.mkdir(mode=0o700, parents=True, exist_ok=True)
         self.span = capacity       # the layout: segment k covers [k*segment_size, ...)
         self.capacity = capacity   # what may be in use: less where the filesystem is smaller
         self.segment_size = segment_size
@@ -194,7 +194,11 @@ class SegmentStore:
                             f"set it back, or empty the directory to start the tier afresh",
                             str(self.path))
         tmp = layout.with_suffix(".tmp")
-        tmp.write_text(wanted)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        try:
+            os.write(fd, wanted.encode())
+        finally:
+            os.close(fd)
         os.replace(tmp, layout)
 
     def _seg_len(self, k: int) -> int:

@@ -44,6 +44,22 @@ def test_control_socket_is_private(daemon):
         assert (d.state_dir / name).stat().st_mode & 0o777 == 0o600
 
 
+def test_the_index_is_private(daemon):
+    # the index names every cached file: directories the daemon creates are 0700, its files 0600
+    d = daemon().start()
+    client = FileClient(d)
+    try:
+        client.put("/secret-name.bin", pattern("s", MiB))
+    finally:
+        client.close()
+    d.stop()
+    nvme = d.root / "nvme"
+    for path in [d.state_dir, nvme, *nvme.iterdir()]:
+        if path.suffix == ".sock" or path.is_socket():
+            continue
+        assert path.stat().st_mode & 0o077 == 0, f"{path} is {oct(path.stat().st_mode)}"
+
+
 def test_metrics_endpoint(daemon):
     port = free_port()
     daemon(**{"metrics.listen": f"127.0.0.1:{port}"}).start()
