@@ -580,7 +580,7 @@ BLUECACHED = Schema("Config", (
                            "Directory with the CURVE keys that secure tcp:// sockets."),
         "max_message_bytes": Field(as_size(minimum=1 * KiB, maximum=16 * MiB), 65536,
                                    "Largest control message accepted (1KiB to 16MiB)."),
-        "session_timeout": Field(as_duration(minimum=5), "2m",
+        "session_timeout": Field(as_duration(minimum=0.1), "2m",
                                  "A client silent this long is gone: its open handles and "
                                  "kernel references are released (hostd pings every second)."),
     }),

@@ -1,7 +1,9 @@
 """bluecachectl: the operator's command line for bluecached."""
 
 import argparse
+import errno
 import json
+import os
 import signal
 import stat
 import sys
@@ -28,8 +30,26 @@ def _client(args) -> SyncClient:
         if args.endpoint.startswith("tcp://"):
             keys = curve.client_keys(Path(args.curve_dir), args.curve_name)
         return SyncClient(args.endpoint, keys, timeout=args.timeout)
-    return SyncClient(protocol.state_dir_endpoints(args.state_dir)["control"],
-                      timeout=args.timeout)
+    endpoint = protocol.state_dir_endpoints(args.state_dir)["control"]
+    _check_local_socket(Path(endpoint.removeprefix("ipc://")), Path(args.state_dir))
+    return SyncClient(endpoint, timeout=args.timeout)
+
+
+def _check_local_socket(sock: Path, state_dir: Path) -> None:
+    """zmq connects to an ipc:// path in the background and would only time out: say at once
+    when the socket is not there, or not ours to use."""
+    try:
+        sock.lstat()
+    except PermissionError:
+        raise RemoteError(errno.EACCES, f"permission denied: {state_dir} is not readable by "
+                                        f"this user (run bluecachectl as root)") from None
+    except FileNotFoundError:
+        raise RemoteError(errno.ECONNREFUSED, f"bluecached is not running with state "
+                                              f"directory {state_dir} (no {sock.name} there)"
+                          ) from None
+    if not os.access(sock, os.W_OK):
+        raise RemoteError(errno.EACCES, f"permission denied: {sock} belongs to "
+                                        f"{sock.owner()} (run bluecachectl as that user)")
 
 
 def cmd_status(client, args) -> int:
@@ -165,9 +185,11 @@ def parser() -> argparse.ArgumentParser:
     s = sub.add_parser("keygen", help="create a CURVE key pair for the tcp:// link")
     s.add_argument("--name", default="server", help="'server' on the DPU, a host name on hosts")
     # `bluecachectl up --state-dir DIR` reads naturally (the README and issue spell it so):
-    # the option is accepted after the command too, and wins there.
+    # the directory options are accepted after the command too, and win there.
     for command in sub.choices.values():
         command.add_argument("--state-dir", default=argparse.SUPPRESS,
+                             help="as the option before the command")
+        command.add_argument("--curve-dir", default=argparse.SUPPRESS,
                              help="as the option before the command")
     return p
 
@@ -194,7 +216,8 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             client.close()
     except (RemoteError, curve.CurveError) as e:
-        print(f"bluecachectl {args.command}: {e}", file=sys.stderr)
+        print(f"bluecachectl {args.command}: {getattr(e, 'strerror', None) or e}",
+              file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         return 130

@@ -120,6 +120,11 @@ class Journal:
 
     # loading
 
+    def _recovery_hint(self) -> str:
+        return (f"To start with an empty cache instead (cached blocks are lost, nothing else), "
+                f"stop the daemon and move {self.path} aside; to keep trying, restore "
+                f"{SNAP_NAME} from a copy")
+
     def _journals(self) -> list[int]:
         gens = []
         for name in os.listdir(self.path):
@@ -138,11 +143,11 @@ class Journal:
         hsize = _SNAP_HEADER.size + _CRC.size
         if len(data) < hsize or data[:len(SNAP_MAGIC)] != SNAP_MAGIC:
             raise JournalError(f"{path}: not an index snapshot (bad magic); refusing to start "
-                               "rather than lose the index")
+                               f"rather than lose the index. {self._recovery_hint()}")
         _, version, gen, count = _SNAP_HEADER.unpack_from(data)
         if _CRC.unpack_from(data, _SNAP_HEADER.size)[0] != _crc(data[:_SNAP_HEADER.size]):
             raise JournalError(f"{path}: corrupt header (crc mismatch); refusing to start "
-                               "rather than lose the index")
+                               f"rather than lose the index. {self._recovery_hint()}")
         if version != SNAP_VERSION:
             raise JournalError(f"{path}: snapshot format version {version} is not supported "
                                f"(this daemon reads version {SNAP_VERSION})")
@@ -153,7 +158,7 @@ class Journal:
             del out[first:]
             why = why or (f"{got} of {count} records" if got != count else "trailing bytes")
             raise JournalError(f"{path}: corrupt snapshot ({why} at offset {pos}); refusing "
-                               "to start rather than lose the index")
+                               f"to start rather than lose the index. {self._recovery_hint()}")
         return gen
 
     def _replay(self, gen: int, out: list) -> None:

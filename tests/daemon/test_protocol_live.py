@@ -184,9 +184,10 @@ def test_tcp_with_curve_admits_only_known_clients(daemon, tmp_path):
     curve.generate(tmp_path / "other", "server")
     curve.generate(tmp_path / "other", "intruder")
     control = f"tcp://127.0.0.1:{free_port()}"
-    daemon(**{"control.listen": control,
-              "control.events": f"tcp://127.0.0.1:{free_port()}",
-              "control.curve_dir": str(keys)}).start()
+    d = daemon(allow_log=["refused a client"],
+               **{"control.listen": control,
+                  "control.events": f"tcp://127.0.0.1:{free_port()}",
+                  "control.curve_dir": str(keys)}).start()
     client = SyncClient(control, curve.client_keys(keys, "host1"))
     assert client.call("getattr", ino=ROOT_INO)["ino"] == ROOT_INO
     client.close()
@@ -195,8 +196,15 @@ def test_tcp_with_curve_admits_only_known_clients(daemon, tmp_path):
     with pytest.raises(RemoteError) as e:
         SyncClient(control, intruder, timeout=1.5)
     assert e.value.errno == errno.ETIMEDOUT
+    assert "refused a client whose CURVE public key" in d.log_text()   # the operator sees why
     with pytest.raises(RemoteError):    # no keys at all
         SyncClient(control, None, timeout=1.5)
+    # a host's key added while the daemon runs lets it in without a restart
+    pub2, _ = curve.generate(keys, "host2")
+    (keys / "clients" / "host2.key").write_bytes(pub2.read_bytes())
+    late = SyncClient(control, curve.client_keys(keys, "host2"))
+    assert late.call("getattr", ino=ROOT_INO)["ino"] == ROOT_INO
+    late.close()
 
 
 def test_a_silent_client_loses_its_handles(daemon):

@@ -336,6 +336,7 @@ def test_corrupt_snapshot_refuses_to_start(tmp_path, how, message):
     with pytest.raises(JournalError, match=message) as info:
         j.load()
     assert "index.snap" in str(info.value)
+    assert f"move {d} aside" in str(info.value)   # what the operator can do about it
     assert (d / "journal-00000001.log").exists()  # nothing deleted
 
 
