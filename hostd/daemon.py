@@ -1,8 +1,9 @@
 """bluecache-hostd: mounts the cache and serves it.
 
 Startup: config -> connect to bluecached (handshake, staging registered) -> clear a stale mount
--> mount -> READY=1. SIGTERM/SIGINT: STOPPING=1, unmount, exit. If bluecached restarts the mount
-stays; requests wait for it (see link.py).
+-> guard the bare mountpoint (mount.guard_bare) -> mount -> READY=1. SIGTERM/SIGINT: STOPPING=1,
+unmount, exit (the bare mountpoint stays guarded). If bluecached restarts the mount stays;
+requests wait for it (see link.py).
 """
 
 import argparse
@@ -32,7 +33,7 @@ from . import config  # noqa: E402
 from .fuse_log import answer_to_a_gone_connection  # noqa: E402
 from .inplace import InPlaceWrites  # noqa: E402
 from .link import DaemonLink, DocaSetupError  # noqa: E402
-from .mount import FSNAME, MountError, clear_stale, unmount  # noqa: E402
+from .mount import FSNAME, MountError, clear_stale, guard_bare, unmount  # noqa: E402
 
 log = logging.getLogger("hostd")
 UNMOUNT_DRAIN_S = 10
@@ -199,6 +200,7 @@ def _keep_request_buffers() -> None:
 def _prepare_mountpoint(mountpoint: Path) -> None:
     clear_stale(mountpoint)   # may wait seconds for a hung mount to answer: not on the loop
     mountpoint.mkdir(parents=True, exist_ok=True)
+    guard_bare(mountpoint)    # nothing written under the mount while it is not there
 
 
 def _reload_log_level(path: Path | None) -> None:

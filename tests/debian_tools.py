@@ -109,4 +109,7 @@ def fresh_container(prefix: str, make_root):
         yield c
     finally:
         c.close()
+        kv_cache = c.root / "mnt/kv-cache"     # hostd made it immutable (see hostd/mount.py)
+        if kv_cache.is_dir():
+            subprocess.run(["chattr", "-i", str(kv_cache)], capture_output=True, check=False)
         shutil.rmtree(work, ignore_errors=True)

@@ -428,8 +428,14 @@ def is_mounted(path: Path) -> bool:
 
 
 def force_unmount(path: Path) -> None:
+    """Unmounts whatever is mounted at `path` and lifts hostd's guard of the bare directory
+    (mode 000, immutable: see hostd.mount.guard_bare), so that the test's temp dir can go."""
+    from hostd.mount import MountError, unguard_bare
+
     if is_mounted(path):
         subprocess.run(["umount", "-l", str(path)], check=False)
+    with contextlib.suppress(OSError, MountError):
+        unguard_bare(path)
 
 
 def free_port() -> int:

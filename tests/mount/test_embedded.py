@@ -87,8 +87,7 @@ class Up:
         if self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait()
-        if is_mounted(self.mnt):
-            force_unmount(self.mnt)
+        force_unmount(self.mnt)     # also lifts the guard of the bare mountpoint
 
 
 def _log_problems(lines):
