@@ -10,6 +10,7 @@ import argparse
 import logging
 import os
 import signal
+import stat
 import sys
 from pathlib import Path
 
@@ -23,6 +24,7 @@ from .dram import DramPool, map_ahead
 from .journal import Journal, JournalError
 from .notify import Notifier
 from .nvme import SegmentStore
+from .paths import PathProblem, describe
 from .server import ControlServer
 from .store import Store
 from .tiers import Tiers, Watermarks
@@ -48,7 +50,7 @@ def build_store(cfg, engine) -> Store:
                                 nvme_cfg.o_direct, durable)
             journal = Journal(Path(nvme_cfg.path), durable)
         except OSError as e:
-            raise StartupError(f"NVMe tier at {nvme_cfg.path}: {e}") from None
+            raise StartupError(f"NVMe tier at {nvme_cfg.path}: {describe(e)}") from None
     dram = cfg.tiers.dram
     pool = DramPool(dram.size)
     pool.before_unmap = engine.forget_host_memory
@@ -104,9 +106,10 @@ class Daemon:
         # Before anything under the state and NVMe directories is touched (sockets, journal):
         # a second daemon on them must not start. Held for the process's lifetime.
         nvme_dir = Path(cfg.tiers.nvme.path) if cfg.tiers.nvme.size else None
+        _check_socket_paths(Path(cfg.state_dir))
         try:
             self.locks = statelock.lock_directories(Path(cfg.state_dir), nvme_dir)
-        except statelock.DirectoryInUse as e:
+        except (statelock.DirectoryInUse, PathProblem) as e:
             raise StartupError(str(e)) from None
         except OSError as e:
             raise StartupError(f"cannot lock {e.filename or cfg.state_dir}: {e.strerror}") \
@@ -189,6 +192,8 @@ class Daemon:
             old = os.umask(0o177)  # socket file mode 0600: local root (hostd) only
             try:
                 sock.bind(endpoint)
+            except zmq.ZMQError as e:
+                raise _cannot_listen(endpoint, zmq.strerror(e.errno)) from None
             finally:
                 os.umask(old)
             return endpoint
@@ -270,19 +275,24 @@ class Daemon:
                                     self.verifier, cfg.control.max_message_bytes,
                                     cfg.control.session_timeout)
         await services.start(self.server.run, self.router)
-        await services.start(local_transport.serve,
-                             protocol.state_dir_endpoints(cfg.state_dir)["local"], self.server)
+        local = protocol.state_dir_endpoints(cfg.state_dir)
+        try:
+            await services.start(local_transport.serve, local["local"], self.server)
+        except OSError as e:
+            raise _cannot_listen(local["local"], e.strerror) from None
         self.events = SocketPump(self.publisher)
         services.start_soon(self.events.run)
         if self.engine.name == "loopback":   # the doca engine's regions come as DOCA exports
-            await services.start(serve_regions,
-                                 protocol.state_dir_endpoints(cfg.state_dir)["regions"],
-                                 self.regions)
+            try:
+                await services.start(serve_regions, local["regions"], self.regions)
+            except OSError as e:
+                raise _cannot_listen(local["regions"], e.strerror) from None
         if cfg.metrics.listen:
             try:
                 await services.start(metrics.serve, cfg.metrics.listen, self.stats)
             except OSError as e:
-                raise StartupError(f"metrics endpoint {cfg.metrics.listen}: {e}") from None
+                raise StartupError(f"metrics endpoint {cfg.metrics.listen}: cannot listen: "
+                                   f"{e.strerror or e}") from None
         tiers = self.store.tiers
         for _ in range(WRITEBACK_WORKERS if tiers.nvme else 0):
             services.start_soon(tiers.writeback_worker)
@@ -338,6 +348,34 @@ class Daemon:
             if self.store.remote is not None:
                 await trio.to_thread.run_sync(self.store.remote.s3.close)
             log.info("stopped cleanly; %s", self.summary())
+
+
+SUN_PATH_MAX = 107   # sizeof(sockaddr_un.sun_path) less the terminating NUL
+
+
+def _check_socket_paths(state_dir: Path) -> None:
+    """The daemon's sockets live in state_dir: a path too long for a unix socket would only
+    fail once the index is loaded, with zmq's or the kernel's wording."""
+    for endpoint in protocol.state_dir_endpoints(str(state_dir)).values():
+        path = endpoint.removeprefix("ipc://")
+        if len(os.fsencode(path)) > SUN_PATH_MAX:
+            raise StartupError(f"state directory {state_dir}: the path is too long for the "
+                               f"daemon's sockets ({path} is {len(os.fsencode(path))} bytes, "
+                               f"at most {SUN_PATH_MAX})")
+
+
+def _cannot_listen(endpoint: str, reason: str) -> StartupError:
+    """A socket in the state directory that cannot be bound: says so if something that is not
+    a socket is in its way (zmq calls that "Address already in use")."""
+    path = endpoint.removeprefix("ipc://")
+    try:
+        mode = os.lstat(path).st_mode
+    except OSError:
+        mode = None
+    if mode is not None and not stat.S_ISSOCK(mode):
+        kind = "a directory" if stat.S_ISDIR(mode) else "a file"
+        reason = f"{kind} of that name is in the way"
+    return StartupError(f"cannot listen on {path}: {reason}")
 
 
 def _setup_logging(level: str) -> None:

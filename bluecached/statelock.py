@@ -8,10 +8,13 @@ kernel drops the lock with the process (SIGKILL included): there is nothing stal
 The holder writes its PID into the file so that the refusal can say who holds it.
 """
 
+import errno
 import fcntl
 import os
 import time
 from pathlib import Path
+
+from .paths import PathProblem, describe, make_directory
 
 LOCK_NAME = "bluecached.lock"
 _PID_WAIT_S = 1.0   # a holder writes its PID right after it took the lock
@@ -23,7 +26,8 @@ class DirectoryInUse(Exception):
 
 class DirLock:
     """An exclusive lock on `directory` (created 0700 if missing), held until release() or
-    the process ends. `what` names the directory in the refusal ("state directory")."""
+    the process ends. `what` names the directory in the refusal ("state directory"). A
+    directory that cannot be made or written is a PathProblem, in one line."""
 
     def __init__(self, directory: Path, what: str):
         self.directory = Path(directory)
@@ -32,8 +36,15 @@ class DirLock:
         self._fd = -1
 
     def acquire(self) -> "DirLock":
-        self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        make_directory(self.directory, self.what)
+        try:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        except OSError as e:
+            if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+                raise PathProblem(f"{self.what} {self.directory} is not writable: "
+                                  f"{describe(e, self.path)}") from None
+            raise PathProblem(f"{self.what} {self.directory}: cannot open {self.path}: "
+                              f"{describe(e, self.path)}") from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -44,6 +55,11 @@ class DirLock:
         except BaseException:
             os.close(fd)
             raise
+        if not os.access(self.directory, os.W_OK | os.X_OK):
+            # The lock file was there already; the sockets, journal, segments would not be.
+            os.close(fd)
+            hint = " (immutable? see lsattr -d)" if os.geteuid() == 0 else ""
+            raise PathProblem(f"{self.what} {self.directory} is not writable{hint}")
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
         self._fd = fd
@@ -68,7 +84,8 @@ def _holder(fd: int) -> int | None:
 
 def lock_directories(state_dir: Path, nvme_dir: Path | None) -> list[DirLock]:
     """Locks the state directory, and the NVMe tier's directory (its segments, journal and
-    index snapshots) where it is not the state directory itself. Raises DirectoryInUse."""
+    index snapshots) where it is not the state directory itself. Raises DirectoryInUse, or
+    PathProblem for a directory that cannot be made or written."""
     locks = [DirLock(state_dir, "state directory").acquire()]
     try:
         if nvme_dir is not None and Path(nvme_dir).resolve() != Path(state_dir).resolve():
