@@ -82,6 +82,16 @@ def check_name(name: bytes) -> None:
         raise FsError(errno.EINVAL, f"invalid file name {name!r}")
 
 
+def mode_after_unprivileged_write(mode: int) -> int:
+    """A regular file's mode once written or truncated by a user without CAP_FSETID: S_ISUID
+    goes, and S_ISGID when the group may execute (without group execute it marks mandatory
+    locking and stays: the rule the kernel itself applies for FUSE, fs/fuse/dir.c)."""
+    kill = mode & stat.S_ISUID
+    if mode & stat.S_IXGRP:
+        kill |= mode & stat.S_ISGID
+    return mode & ~kill
+
+
 class Namespace:
     """Inode table and directory tree. `new_ino` hands out inode numbers (the store makes them
     unique across restarts)."""

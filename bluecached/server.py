@@ -15,7 +15,7 @@ import trio
 from . import __version__, protocol
 from .dma import DmaError, RegionTable
 from .log_limit import LogLimiter
-from .namespace import FsError, Inode
+from .namespace import FsError, Inode, mode_after_unprivileged_write
 from .store import Store
 from .zmqpump import SocketPump
 
@@ -235,11 +235,25 @@ class ControlServer:
     async def op_read(self, session, **args) -> dict:
         return await self._transfer(self.store.read, **args)
 
-    async def op_write(self, session, **args) -> dict:
+    async def _kill_suidgid(self, fh: int) -> None:
+        """A write by a user without CAP_FSETID (FUSE_WRITE_KILL_SUIDGID, which hostd passes on)
+        clears the file's set-user-ID bit, and its set-group-ID bit when group-executable,
+        before the write, as a local file system does. Nothing to do (and no cost) otherwise."""
+        handle = self.store.handles.get(fh)
+        if handle is None or not handle.writable:
+            return   # the write itself says why not
+        node = handle.node
+        mode = mode_after_unprivileged_write(node.mode)
+        if mode != node.mode:
+            await self.store.setattr(node.ino, mode=mode)
+
+    async def op_write(self, session, kill_suidgid=False, **args) -> dict:
+        if kill_suidgid:
+            await self._kill_suidgid(args["fh"])
         return await self._transfer(self.store.write, **args)
 
     async def op_write_batch(self, session, region, fhs, offsets, lengths,
-                             region_offsets) -> dict:
+                             region_offsets, kill_suidgid=()) -> dict:
         """Writes, applied in list order, each answered apart: hostd sends the writes it
         answered once staged together (one message and one reply instead of one each), and
         one file's failure must not fail the others'."""
@@ -247,9 +261,12 @@ class ControlServer:
             raise FsError(errno.EINVAL, "write_batch: fhs, offsets, lengths and region_offsets "
                                         "must be non-empty lists of one length")
         total, failed = 0, []
+        kills = set(kill_suidgid)
         for i, piece in enumerate(zip(fhs, offsets, lengths, region_offsets, strict=True)):
             fh, offset, length, region_offset = piece
             try:
+                if i in kills:
+                    await self._kill_suidgid(fh)
                 total += (await self._transfer(self.store.write, fh, offset, length, region,
                                                region_offset))["length"]
             except (FsError, DmaError) as e:

@@ -45,6 +45,32 @@ def _check_name(name: bytes) -> None:
         raise pyfuse3.FUSEError(errno.ENAMETOOLONG)
 
 
+CAP_FSETID = 4   # linux/capability.h
+
+
+def _holds_fsetid(ctx) -> bool:
+    """Whether the process behind a request holds CAP_FSETID (its writes and truncates keep
+    set-user-ID and set-group-ID bits). Read from /proc; where that cannot be, root is taken
+    to hold it and everyone else not."""
+    try:
+        with open(f"/proc/{ctx.pid}/status") as f:
+            for line in f:
+                if line.startswith("CapEff:"):
+                    return bool(int(line.split()[1], 16) >> CAP_FSETID & 1)
+    except (OSError, ValueError, IndexError):
+        pass
+    return ctx.uid == 0
+
+
+def mode_after_unprivileged_write(mode: int) -> int:
+    """A file's mode once written or truncated by a user without CAP_FSETID: S_ISUID goes,
+    and S_ISGID when group-executable (bluecached applies the same rule to writes)."""
+    kill = mode & stat.S_ISUID
+    if mode & stat.S_IXGRP:
+        kill |= mode & stat.S_ISGID
+    return mode & ~kill
+
+
 def errno_for(e: OSError) -> int:
     """The errno an application sees for a cache failure."""
     if e.errno is None or e.errno in _TO_EIO:
@@ -254,8 +280,22 @@ class Operations(pyfuse3.Operations):
 
     @_boundary
     async def open(self, inode, flags, ctx):
-        fh, _ = await self.cache.open(inode, flags)
+        fh, attr = await self.cache.open(inode, flags)
+        if flags & os.O_TRUNC and mode_after_unprivileged_write(attr.mode) != attr.mode:
+            await self._truncated_by(fh, inode, attr.mode, ctx)
         return self._file_info(fh, flags)
+
+    async def _truncated_by(self, fh: int, inode: int, mode: int, ctx) -> None:
+        """open(O_TRUNC) of a set-user-ID or set-group-ID file: the open did the truncation
+        (FUSE_ATOMIC_O_TRUNC), so the kernel sends no setattr that would clear those bits, as
+        truncate(2) would for a caller without CAP_FSETID. Rare: costs nothing otherwise."""
+        if _holds_fsetid(ctx):
+            return
+        try:
+            await self.cache.setattr(inode, mode=stat.S_IMODE(mode_after_unprivileged_write(mode)))
+        except BaseException:
+            await self.cache.release(fh)   # the kernel never hears of this handle
+            raise
 
     @_boundary
     async def read(self, fh, off, size):

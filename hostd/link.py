@@ -22,6 +22,7 @@ import errno
 import logging
 import mmap
 import os
+import sys
 from dataclasses import dataclass
 
 import pyfuse3
@@ -53,6 +54,24 @@ MAX_BATCH = 64   # staged writes per write_batch message
 
 def _writable(flags: int) -> bool:
     return flags & os.O_ACCMODE != os.O_RDONLY
+
+
+_take_write_kill = None
+
+
+def _write_kills(fh: int, offset: int) -> bool:
+    """Whether the write to (fh, offset) being taken now carries FUSE_WRITE_KILL_SUIDGID: the
+    kernel sets it when the writer lacks CAP_FSETID, and with direct_io it clears no
+    set-user-ID or set-group-ID bit itself. pyfuse3 does not pass write_flags on; the fuse shim
+    (native/fuse_shim.c), when in this process, read them from the request. Ask before the
+    write's first await: the shim remembers only the request being processed."""
+    global _take_write_kill
+    if _take_write_kill is None:
+        shim = sys.modules.get("hostd._fuse_shim")   # loaded by hostd before pyfuse3, or never
+        if shim is None:
+            return False
+        _take_write_kill = getattr(shim.lib, "bc_take_write_kill", None) or (lambda fh, off: 0)
+    return bool(_take_write_kill(fh, offset))
 
 
 class Staging:
@@ -106,6 +125,7 @@ class StagedWrite:
     slot: int
     offset: int
     length: int
+    kill_suidgid: bool = False   # the writer lacks CAP_FSETID (see _write_kills)
 
 
 @dataclass(slots=True)
@@ -397,6 +417,7 @@ class DaemonLink:
         return bytes(view)
 
     async def write(self, fh, offset, data) -> int:
+        kill = _write_kills(fh, offset)
         data = memoryview(data)
         f = self._files.get(fh)
         staged = self.ack_staged and f is not None
@@ -413,26 +434,29 @@ class DaemonLink:
                 self.staging.view(slot, len(piece))[:] = piece
                 self.bytes_copied += len(piece)
                 if staged:
-                    self._stage(fh, f, slot, start, len(piece))
+                    self._stage(fh, f, slot, start, len(piece), kill)
                     slot = None   # the sender gives it back
                 else:
-                    await self._write_slot(fh, slot, start, len(piece))
+                    await self._write_slot(fh, slot, start, len(piece), kill)
             finally:
                 if slot is not None:
                     self.staging.give(slot)
             done += len(piece)
+            kill = False   # the first piece cleared the bits
         return done
 
     def write_in_slot(self, fh: int, offset: int, slot: int, length: int, answer) -> None:
         """A write the kernel read straight into staging `slot` (hostd/inplace.py). Called
         inside pyfuse3's request loop, so it never waits: `answer(None or an OSError)` replies
         to the kernel, at once with write_ack staged, after the daemon call otherwise."""
+        kill = _write_kills(fh, offset)
         f = self._files.get(fh)
         if f is None:
             self.staging.give(slot)
             answer(RemoteError(errno.EBADF, f"no open file {fh}"))
         elif not self.ack_staged:
-            self._writes.start_soon(self._write_then_answer, fh, slot, offset, length, answer)
+            self._writes.start_soon(self._write_then_answer, fh, slot, offset, length, answer,
+                                    kill)
         elif f.error is not None:
             self.staging.give(slot)
             answer(f.error)
@@ -440,16 +464,17 @@ class DaemonLink:
             self.staging.give(slot)
             answer(self._too_large(offset + length))
         else:
-            self._stage(fh, f, slot, offset, length)
+            self._stage(fh, f, slot, offset, length, kill)
             answer(None)
 
     def _too_large(self, size: int) -> RemoteError:
         return RemoteError(errno.EFBIG, f"a file here holds at most {self.max_file_size} bytes "
                                         f"(bluecached's NVMe segment size): {size} asked")
 
-    async def _write_then_answer(self, fh, slot: int, offset: int, length: int, answer) -> None:
+    async def _write_then_answer(self, fh, slot: int, offset: int, length: int, answer,
+                                 kill: bool) -> None:
         try:
-            await self._write_slot(fh, slot, offset, length)
+            await self._write_slot(fh, slot, offset, length, kill)
         except RemoteError as e:
             answer(e)
         else:
@@ -457,9 +482,10 @@ class DaemonLink:
         finally:
             self.staging.give(slot)
 
-    async def _write_slot(self, fh, slot: int, offset: int, length: int) -> None:
+    async def _write_slot(self, fh, slot: int, offset: int, length: int, kill: bool) -> None:
         await self.call("write", host_fh=fh, offset=offset, length=length,
-                        region=self.staging.region_id, region_offset=self.staging.offset(slot))
+                        region=self.staging.region_id, region_offset=self.staging.offset(slot),
+                        **({"kill_suidgid": True} if kill else {}))
 
     async def send_writes(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         """Runs the daemon calls of writes: those answered once staged by one sender task,
@@ -472,10 +498,11 @@ class DaemonLink:
             task_status.started()
             await trio.sleep_forever()
 
-    def _stage(self, fh: int, f: OpenFile, slot: int, offset: int, length: int) -> None:
+    def _stage(self, fh: int, f: OpenFile, slot: int, offset: int, length: int,
+               kill: bool) -> None:
         """Queues a write answered once staged for the sender."""
         seq = self.inflight.add(f.ino)
-        self._unsent.append(StagedWrite(fh, f, seq, slot, offset, length))
+        self._unsent.append(StagedWrite(fh, f, seq, slot, offset, length, kill))
         self._staged.set()
 
     async def _send_staged(self) -> None:
@@ -493,13 +520,15 @@ class DaemonLink:
     async def _send_batch(self, batch: list[StagedWrite]) -> None:
         live = [w for w in batch if w.file.error is None]   # a dropped file's are not sent
         failed: dict[int, RemoteError] = {}
+        kills = [i for i, w in enumerate(live) if w.kill_suidgid]
         try:
             if live:
                 r = await self.call("write_batch", host_fhs=[w.fh for w in live],
                                     region=self.staging.region_id,
                                     offsets=[w.offset for w in live],
                                     lengths=[w.length for w in live],
-                                    region_offsets=[self.staging.offset(w.slot) for w in live])
+                                    region_offsets=[self.staging.offset(w.slot) for w in live],
+                                    **({"kill_suidgid": kills} if kills else {}))
                 failed = {i: RemoteError(err, message) for i, err, message in r["failed"]}
         except RemoteError as e:
             failed = dict.fromkeys(range(len(live)), e)

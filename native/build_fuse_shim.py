@@ -44,6 +44,7 @@ unsigned long long bc_writes_in_place(void);
 unsigned long long bc_writes_copied(void);
 int fuse_reply_write(fuse_req_t req, size_t count);
 typedef long... off_t;
+int bc_take_write_kill(uint64_t fh, off_t off);
 extern "Python" void bc_ioctl_to_python(fuse_req_t req, fuse_ino_t ino, unsigned int cmd,
                                         uint64_t fh, unsigned flags, const void *in_buf,
                                         size_t in_bufsz, size_t out_bufsz);

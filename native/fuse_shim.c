@@ -35,6 +35,12 @@
  * its arguments to Python objects before returning, so a request's buffer may be read into
  * again as soon as fuse_session_process_buf returns.
  *
+ * Set-user-ID and set-group-ID bits: with direct_io the kernel clears nothing when a user
+ * without CAP_FSETID writes; it sets FUSE_WRITE_KILL_SUIDGID in the write's write_flags and
+ * leaves it to the file system. libfuse 3.14 hands pyfuse3 no write_flags, so bc_write_buf
+ * reads them from the request (its fuse_write_in lies just before the payload) and Python
+ * asks with bc_take_write_kill() while it takes that write (hostd/link.py).
+ *
  * libfuse 3.17 and newer reach these through differently versioned entry points: then this
  * shim is never called, bc_shim_state() stays 0 and hostd says so.
  */
@@ -55,6 +61,20 @@
  * loop hands any beyond the target back to hostd. */
 #define BC_POOL_MAX (2 * (BC_QUEUE + 2))
 #define BC_SPARES_MAX 16  /* libfuse-sized buffers kept for requests that get no slot */
+
+/* The kernel's struct fuse_write_in (protocol 7.9+) and its write_flags bit that asks the file
+ * system to clear S_ISUID/S_ISGID (FUSE_WRITE_KILL_SUIDGID; FUSE_WRITE_KILL_PRIV before 7.31). */
+struct bc_write_in {
+    uint64_t fh;
+    uint64_t offset;
+    uint32_t size;
+    uint32_t write_flags;
+    uint64_t lock_owner;
+    uint32_t flags;
+    uint32_t padding;
+};
+_Static_assert(sizeof(struct bc_write_in) == 40, "fuse_write_in is 40 bytes");
+#define BC_WRITE_KILL_SUIDGID (1u << 2)
 
 static void bc_ioctl(fuse_req_t req, fuse_ino_t ino, unsigned int cmd, void *arg,
                      struct fuse_file_info *fi, unsigned flags, const void *in_buf,
@@ -119,6 +139,10 @@ static struct bc_request bc_current;
 static const struct fuse_buf *bc_current_for; /* pyfuse3's buffer that stands for it */
 static long bc_current_slot = -1; /* its slot, while processed and still the shim's */
 static unsigned long long bc_in_place, bc_copied; /* writes served each way */
+/* The write being handed to Python and whether it asks to clear S_ISUID/S_ISGID. */
+static uint64_t bc_kill_fh;
+static off_t bc_kill_off;
+static int bc_kill;
 
 static char *bc_slot_payload(long slot)
 {
@@ -306,10 +330,26 @@ static void bc_init(void *userdata, struct fuse_conn_info *conn)
     conn->want &= ~FUSE_CAP_SPLICE_READ;
 }
 
+/* Whether a write carries FUSE_WRITE_KILL_SUIDGID. libfuse points the payload just past the
+ * request's fuse_write_in (do_write_buf: PARAM(arg)); its fh and offset must match. */
+static int bc_write_kills(const struct fuse_bufvec *bufv, uint64_t fh, off_t off)
+{
+    const struct fuse_buf *b = &bufv->buf[0];
+    struct bc_write_in in;
+    if (bufv->count < 1 || bufv->idx != 0 || bufv->off != 0 || (b->flags & FUSE_BUF_IS_FD) ||
+        b->mem == NULL)
+        return 0;
+    memcpy(&in, (const char *)b->mem - sizeof in, sizeof in);
+    return in.fh == fh && in.offset == (uint64_t)off && (in.write_flags & BC_WRITE_KILL_SUIDGID);
+}
+
 static void bc_write_buf(fuse_req_t req, fuse_ino_t ino, struct fuse_bufvec *bufv, off_t off,
                          struct fuse_file_info *fi)
 {
     const struct fuse_buf *b = &bufv->buf[0];
+    bc_kill_fh = fi->fh;
+    bc_kill_off = off;
+    bc_kill = bc_write_kills(bufv, fi->fh, off);
     if (bc_current_slot >= 0 && bufv->count == 1 && bufv->idx == 0 &&
         !(b->flags & FUSE_BUF_IS_FD) &&
         (char *)b->mem + bufv->off == bc_slot_payload(bc_current_slot)) {
@@ -545,6 +585,15 @@ long bc_receive_stop(void)
         slot = bc_pool[--bc_pool_n];
     pthread_mutex_unlock(&bc_lock);
     return slot;
+}
+
+/* 1 if the write to (fh, off) being handed to Python now (in place, or by pyfuse3 before its
+ * handler's first await) asks to clear S_ISUID/S_ISGID; answered once. */
+int bc_take_write_kill(uint64_t fh, off_t off)
+{
+    int kill = bc_kill && bc_kill_fh == fh && bc_kill_off == off;
+    bc_kill = 0;
+    return kill;
 }
 
 unsigned long long bc_writes_in_place(void)
