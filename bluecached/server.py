@@ -188,7 +188,10 @@ class ControlServer:
                 "incarnation": self.incarnation, "session": session.id,
                 "engine": self.regions.engine.name,
                 "max_message_bytes": self.max_message_bytes,
-                "max_file_size": self.store.max_file_size}
+                "max_file_size": self.store.max_file_size,
+                # optional arguments this daemon knows, for clients newer than the protocol
+                # version they share with it
+                "features": ["kill_suidgid"]}
 
     async def op_ping(self, session) -> dict:
         return {}

@@ -150,6 +150,7 @@ class DaemonLink:
         # the daemon refuses a file past this size; a write answered early checks it here,
         # so the writer gets EFBIG from write(2) rather than from close(2)
         self.max_file_size = 1 << 63
+        self.daemon_clears_setid = False
         self._staging_export = None
         self.staging = Staging(slots)
         self.request_timeout = request_timeout
@@ -191,6 +192,9 @@ class DaemonLink:
         hello = await self.client.handshake(timeout=2, replaces=self.session)
         self.engine = hello["engine"]
         self.max_file_size = hello.get("max_file_size", self.max_file_size)
+        # an optional argument an older daemon would refuse ("unknown argument") on every
+        # write by a non-root user: sent only to a daemon that says it knows it
+        self.daemon_clears_setid = "kill_suidgid" in hello.get("features", ())
         if self.engine == "doca":
             await self._import_staging()
         elif self.regions_path is not None:
@@ -485,7 +489,7 @@ class DaemonLink:
     async def _write_slot(self, fh, slot: int, offset: int, length: int, kill: bool) -> None:
         await self.call("write", host_fh=fh, offset=offset, length=length,
                         region=self.staging.region_id, region_offset=self.staging.offset(slot),
-                        **({"kill_suidgid": True} if kill else {}))
+                        **({"kill_suidgid": True} if kill and self.daemon_clears_setid else {}))
 
     async def send_writes(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         """Runs the daemon calls of writes: those answered once staged by one sender task,
@@ -520,7 +524,8 @@ class DaemonLink:
     async def _send_batch(self, batch: list[StagedWrite]) -> None:
         live = [w for w in batch if w.file.error is None]   # a dropped file's are not sent
         failed: dict[int, RemoteError] = {}
-        kills = [i for i, w in enumerate(live) if w.kill_suidgid]
+        kills = [i for i, w in enumerate(live) if w.kill_suidgid] \
+            if self.daemon_clears_setid else []
         try:
             if live:
                 r = await self.call("write_batch", host_fhs=[w.fh for w in live],
