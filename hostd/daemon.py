@@ -11,6 +11,7 @@ import ctypes
 import logging
 import os
 import signal
+import socket
 import sys
 from pathlib import Path
 
@@ -26,6 +27,7 @@ from bluecached import curve, protocol  # noqa: E402
 from bluecached.client import AsyncClient  # noqa: E402
 from bluecached.local_transport import LocalClient  # noqa: E402
 from bluecached.notify import Notifier  # noqa: E402
+from bluecached.paths import describe  # noqa: E402
 from bluecached.zmqpump import SocketPump  # noqa: E402
 from fusefs import Operations, Timeouts  # noqa: E402
 
@@ -33,7 +35,15 @@ from . import config  # noqa: E402
 from .fuse_log import answer_to_a_gone_connection  # noqa: E402
 from .inplace import InPlaceWrites  # noqa: E402
 from .link import DaemonLink, DocaSetupError  # noqa: E402
-from .mount import FSNAME, MountError, clear_stale, guard_bare, unmount  # noqa: E402
+from .mount import (  # noqa: E402
+    FSNAME,
+    MountError,
+    clear_stale,
+    fuse_device_problem,
+    guard_bare,
+    make_mountpoint,
+    unmount,
+)
 
 log = logging.getLogger("hostd")
 UNMOUNT_DRAIN_S = 10
@@ -85,9 +95,40 @@ async def _follow_events(events_endpoint: str, keys, ops: Operations) -> None:
         sock.close()
 
 
+def _no_answer(control: str, waited: float) -> str:
+    """Why bluecached did not answer the first handshake, as far as the socket tells."""
+    if control.startswith("tcp://"):
+        return f"bluecached does not answer at {control} (waited {waited:g}s): is it running?"
+    path = Path(control)
+    state_dir = path.parent
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+    probe.settimeout(2)
+    try:
+        probe.connect(str(path))
+    except FileNotFoundError:
+        there = f"no {path.name} there" if state_dir.is_dir() else "it does not exist"
+        return (f"bluecached is not running with state directory {state_dir} ({there}; "
+                f"waited {waited:g}s)")
+    except ConnectionRefusedError:
+        return (f"bluecached is not running with state directory {state_dir} (waited "
+                f"{waited:g}s; {path.name} is left from one that stopped: connection refused)")
+    except PermissionError:
+        return (f"permission denied: {path} (hostd runs as uid {os.geteuid()}; bluecached's "
+                "sockets are for its own user: run hostd as root)")
+    except OSError as e:
+        return f"cannot connect to bluecached at {path}: {e.strerror}"
+    finally:
+        probe.close()
+    return (f"bluecached at {path} accepts connections but does not answer (waited "
+            f"{waited:g}s): is it hung, or still loading its index?")
+
+
 async def run(cfg, path: Path | None, notifier) -> None:
     control, events, regions, keys = _endpoints(cfg)
     mountpoint = Path(cfg.mountpoint)
+    problem = fuse_device_problem()
+    if problem:
+        raise StartupError(f"cannot mount {mountpoint}: {problem}")
     name = f"hostd@{os.uname().nodename}"
     if cfg.daemon.control == "ipc":   # same machine: the SEQPACKET fast path
         client = LocalClient(control, client_name=name)
@@ -105,8 +146,8 @@ async def run(cfg, path: Path | None, notifier) -> None:
             try:
                 await link.connect()
             except trio.TooSlowError:
-                raise StartupError(f"bluecached does not answer at {control} (waited "
-                                   f"{cfg.daemon.request_timeout:g}s): is it running?") from None
+                raise StartupError(await trio.to_thread.run_sync(
+                    _no_answer, control, cfg.daemon.request_timeout)) from None
             except DocaSetupError as e:
                 raise StartupError(str(e)) from None
             nursery.start_soon(link.watch)
@@ -115,8 +156,11 @@ async def run(cfg, path: Path | None, notifier) -> None:
             nursery.start_soon(_follow_events, events, keys, ops)
             try:
                 await trio.to_thread.run_sync(_prepare_mountpoint, mountpoint)
-            except (MountError, OSError) as e:
+            except MountError as e:
                 raise StartupError(str(e)) from None
+            except OSError as e:
+                raise StartupError(f"mountpoint {mountpoint}: {describe(e, mountpoint)}") \
+                    from None
             options = set(pyfuse3.default_options) | {f"fsname={FSNAME}", f"subtype={FSNAME}"}
             if cfg.mount.allow_other:
                 options.add("allow_other")
@@ -199,7 +243,7 @@ def _keep_request_buffers() -> None:
 
 def _prepare_mountpoint(mountpoint: Path) -> None:
     clear_stale(mountpoint)   # may wait seconds for a hung mount to answer: not on the loop
-    mountpoint.mkdir(parents=True, exist_ok=True)
+    make_mountpoint(mountpoint)   # with its parents, as mkdir -p; a file there is refused
     guard_bare(mountpoint)    # nothing written under the mount while it is not there
 
 

@@ -20,7 +20,11 @@ from pathlib import Path
 
 import yaml
 
+from bluecached import statelock
 from bluecached.config import ConfigError, load_config, parse_size
+from bluecached.paths import PathProblem, describe, make_directory, not_a_directory
+
+from .mount import mounts_at
 
 DEFAULT_MOUNT = "/mnt/kv-cache"
 DEFAULT_STATE = "/var/lib/bluecache"
@@ -103,11 +107,32 @@ def _notify_systemd(message: str) -> None:
 
 DEFAULT_METRICS = "127.0.0.1:9464"
 
+# The option of `up` that sets each overridden key, for its error messages.
+OPTIONS = {"state_dir": "--state-dir", "metrics.listen": "--metrics",
+           "tiers.dram.size": "--dram-size", "tiers.nvme.size": "--nvme-size"}
+
+
+def _prepare(mount: str, state: Path, cfg) -> None:
+    """Checks what `up` can check before it starts anything, so that a mountpoint or state
+    directory in the wrong shape, or one in use, is one line (PathProblem) and nothing of a
+    running `up` is overwritten: its state directory holds the daemons' configs."""
+    if not mounts_at(Path(mount).absolute()):   # a mount there is hostd's to judge
+        problem = not_a_directory(Path(mount), "mountpoint")
+        if problem:
+            raise PathProblem(problem)
+    make_directory(state, "state directory")
+    nvme = Path(cfg.tiers.nvme.path) if cfg.tiers.nvme.size else None
+    try:
+        locks = statelock.lock_directories(state, nvme)
+    except statelock.DirectoryInUse as e:
+        raise PathProblem(str(e)) from None
+    for lock in locks:     # bluecached takes them; this was only a look
+        lock.release()
+
 
 def up(mount: str, state_dir: str, dram_size: str | None, nvme_size: str | None,
        allow_other: bool = True, metrics: str = DEFAULT_METRICS) -> int:
     state = Path(state_dir).resolve()
-    state.mkdir(mode=0o700, parents=True, exist_ok=True)
     overrides = {"state_dir": str(state), "metrics.listen": metrics}
     if dram_size:
         overrides["tiers.dram.size"] = dram_size
@@ -118,21 +143,34 @@ def up(mount: str, state_dir: str, dram_size: str | None, nvme_size: str | None,
         for size in (dram_size, nvme_size):
             if size:
                 parse_size(size)
-    except (ConfigError, ValueError) as e:
+    except ConfigError as e:
+        where = OPTIONS.get(e.key, e.key) if e.key else e.source
+        print(f"bluecachectl up: {where}: {e.problem}", file=sys.stderr)
+        return 2
+    except ValueError as e:
         print(f"bluecachectl up: {e}", file=sys.stderr)
         return 2
-    bluecached_yaml = state / "bluecached.yaml"
-    bluecached_yaml.write_text(yaml.safe_dump({
-        "state_dir": str(state), "tiers": {
-            "dram": {"size": cfg.tiers.dram.size},
-            "nvme": {"path": str(cfg.tiers.nvme.path), "size": cfg.tiers.nvme.size,
-                     "segment_size": min(cfg.tiers.nvme.segment_size,
-                                         max(cfg.tiers.nvme.size, 1 << 20))}},
-        "metrics": {"listen": cfg.metrics.listen}}))
-    hostd_yaml = state / "hostd.yaml"
-    hostd_yaml.write_text(yaml.safe_dump({
-        "mountpoint": str(Path(mount).resolve()), "state_dir": str(state),
-        "mount": {"allow_other": allow_other}}))
+    try:
+        _prepare(mount, state, cfg)
+        bluecached_yaml = state / "bluecached.yaml"
+        bluecached_yaml.write_text(yaml.safe_dump({
+            "state_dir": str(state), "tiers": {
+                "dram": {"size": cfg.tiers.dram.size},
+                "nvme": {"path": str(cfg.tiers.nvme.path), "size": cfg.tiers.nvme.size,
+                         "segment_size": min(cfg.tiers.nvme.segment_size,
+                                             max(cfg.tiers.nvme.size, 1 << 20))}},
+            "metrics": {"listen": cfg.metrics.listen}}))
+        hostd_yaml = state / "hostd.yaml"
+        hostd_yaml.write_text(yaml.safe_dump({
+            "mountpoint": str(Path(mount).resolve()), "state_dir": str(state),
+            "mount": {"allow_other": allow_other}}))
+    except PathProblem as e:
+        print(f"bluecachectl up: {e}", file=sys.stderr)
+        return 1
+    except OSError as e:
+        print(f"bluecachectl up: cannot write the daemons' configs: {describe(e)}",
+              file=sys.stderr)
+        return 1
     python = sys.executable
     children: list[Child] = []
     stopping = []

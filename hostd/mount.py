@@ -12,6 +12,8 @@ import subprocess
 import threading
 from pathlib import Path
 
+from bluecached.paths import PathProblem, make_directory
+
 log = logging.getLogger("hostd.mount")
 FSNAME = "bluecache"
 MNT_DETACH = 2
@@ -44,8 +46,12 @@ def _detach(mountpoint: Path) -> None:
         return
     err = ctypes.get_errno()
     # Not root? fusermount3 can unmount a FUSE mount its user made.
-    r = subprocess.run(["fusermount3", "-u", "-z", str(mountpoint)], capture_output=True,
-                       text=True)
+    try:
+        r = subprocess.run(["fusermount3", "-u", "-z", str(mountpoint)], capture_output=True,
+                           text=True)
+    except OSError as e:
+        raise MountError(f"cannot unmount stale {mountpoint}: {os.strerror(err)}; "
+                         f"fusermount3: {e.strerror} (install fuse3)") from None
     if r.returncode != 0:
         raise MountError(f"cannot unmount stale {mountpoint}: {os.strerror(err)}; "
                          f"fusermount3: {r.stderr.strip()}")
@@ -108,6 +114,24 @@ def _probe(mountpoint: Path) -> int | None:
     return result[0] if result else None
 
 
+def make_mountpoint(mountpoint: Path) -> None:
+    """Creates the mountpoint (and its parents) if missing; a MountError, in one line, where a
+    file or a symlink to none is in the way, or it cannot be created."""
+    try:
+        make_directory(mountpoint, "mountpoint", mode=0o777)   # the umask applies
+    except PathProblem as e:
+        raise MountError(str(e)) from None
+
+
+def fuse_device_problem() -> str | None:
+    """Why no FUSE file system can be mounted here, or None. (A user's fusermount3 opens
+    /dev/fuse itself, as root: only its existence is checked.)"""
+    if not os.path.exists("/dev/fuse"):
+        return ("/dev/fuse does not exist: load the fuse kernel module (modprobe fuse), or in "
+                "a container, pass the device in")
+    return None
+
+
 # <linux/fs.h>: the inode flags chattr(1) sets. The kernel reads and writes an int.
 FS_IOC_GETFLAGS = 0x80086601 if ctypes.sizeof(ctypes.c_long) == 8 else 0x80046601
 FS_IOC_SETFLAGS = 0x40086602 if ctypes.sizeof(ctypes.c_long) == 8 else 0x40046602
@@ -164,6 +188,10 @@ def guard_bare(mountpoint: Path) -> None:
         return
     fd = _open_bare(mountpoint)
     try:
+        if os.fstatvfs(fd).f_flag & os.ST_RDONLY:
+            log.info("%s: the directory under the mount is on a read-only filesystem: nothing "
+                     "can be written there while the cache is not mounted", mountpoint)
+            return
         problem = None
         try:
             flags = _get_flags(fd)
