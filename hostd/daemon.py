@@ -42,6 +42,7 @@ from .mount import (  # noqa: E402
     fuse_device_problem,
     guard_bare,
     make_mountpoint,
+    mounts_at,
     unmount,
 )
 
@@ -242,7 +243,11 @@ def _keep_request_buffers() -> None:
 
 
 def _prepare_mountpoint(mountpoint: Path) -> None:
-    clear_stale(mountpoint)   # may wait seconds for a hung mount to answer: not on the loop
+    # A mountpoint given as a symlink is mounted (and listed in mountinfo) at its target.
+    mounted_at = mountpoint
+    if not mounts_at(mountpoint) and os.path.islink(mountpoint):
+        mounted_at = Path(os.path.realpath(mountpoint))
+    clear_stale(mounted_at)   # may wait seconds for a hung mount to answer: not on the loop
     make_mountpoint(mountpoint)   # with its parents, as mkdir -p; a file there is refused
     guard_bare(mountpoint)    # nothing written under the mount while it is not there
 

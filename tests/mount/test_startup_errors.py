@@ -94,6 +94,25 @@ def test_hostd_creates_missing_parents_of_the_mountpoint(tmp_path, daemon):
         force_unmount(mountpoint)
 
 
+def test_hostd_on_a_symlinked_mountpoint_clears_the_dead_mount_a_crash_left(tmp_path, daemon):
+    """The kernel lists the mount at the symlink's target: a restart after SIGKILL looked for
+    a stale mount at the symlink, found none, and stopped with '[Errno 17] File exists'."""
+    d = daemon().start()
+    (tmp_path / "real").mkdir()
+    link = tmp_path / "link"
+    link.symlink_to(tmp_path / "real")
+    h = HostdProcess(d, link).start()
+    try:
+        h.kill()
+        assert is_mounted(tmp_path / "real")          # dead: ENOTCONN
+        h.start()
+        os.listdir(link)                               # served again
+        assert "clearing the mount a crashed hostd left" in h.log.read_text()
+    finally:
+        h.stop()
+        force_unmount(tmp_path / "real")
+
+
 def test_hostd_mounts_on_a_read_only_filesystem_without_guarding(tmp_path, daemon):
     """The directory under the mount is on a read-only filesystem: nothing can be written there
     anyway, so there is nothing to guard (it said '[Errno 30] Read-only file system')."""
