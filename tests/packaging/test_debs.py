@@ -1,7 +1,7 @@
 """The Debian packages, for real: build them, lintian them, install bluecache-host with Debian's
 own dependencies into a freshly debootstrapped bookworm, boot systemd in it (systemd-nspawn),
 start both units, write and read back a 32 MiB block through /mnt/kv-cache, stop (unmounts),
-purge (only the NVMe tier's data stays).
+purge (only the NVMe tier's data stays; the guarded mountpoint goes).
 
 Needs root, network access to a Debian mirror (debootstrap and apt) and the tools in
 docs/packaging.md; a missing tool fails the test. Takes about 2-3 minutes.
@@ -95,6 +95,9 @@ def test_install_start_io_stop_purge(debs, container):
 
     c.sh("systemctl stop bluecache-hostd bluecached")
     assert c.sh("findmnt /mnt/kv-cache", check=False).returncode == 1
+    # hostd left the directory under the mount guarded (operations.md): immutable, mode 000.
+    assert "i" in c.sh("lsattr -d /mnt/kv-cache").stdout.split()[0]
+    assert c.sh("stat -c %a /mnt/kv-cache").stdout.strip() == "0"
     log = c.sh("journalctl -u bluecached -u bluecache-hostd --no-pager").stdout
     assert "stopped cleanly" in log
 
@@ -107,6 +110,9 @@ def test_install_start_io_stop_purge(debs, container):
     assert c.sh("findmnt /mnt/kv-cache", check=False).returncode == 1
     assert c.sh("pgrep -x bluecached || pgrep -x bluecache-hostd", check=False).returncode == 1
     assert not (c.root / "etc/bluecache").exists()
+    # The guard lifted and the (empty) mountpoint removed: nothing immutable is left behind.
+    assert not (c.root / "mnt/kv-cache").exists(), \
+        c.sh("lsattr -d /mnt/kv-cache; ls -ld /mnt/kv-cache", check=False).stdout
     left = sorted(str(p.relative_to(c.root)) for p in (c.root / "var/lib/bluecache").iterdir())
     assert left == ["var/lib/bluecache/nvme"], left
     assert any((c.root / "var/lib/bluecache/nvme").iterdir())
