@@ -6,9 +6,10 @@ had: placing an inode where another one is drops the other (rename-replace).
 """
 
 import logging
+import stat
 from dataclasses import dataclass, field
 
-from .namespace import ROOT_INO, Inode, Namespace
+from .namespace import META_TYPES, ROOT_INO, Inode, Namespace
 from .nvme import Extent
 
 log = logging.getLogger("bluecached.index")
@@ -21,6 +22,8 @@ MOVE = "M"    # (M, ino, parent, name)
 ATTR = "A"    # (A, ino, mode, uid, gid, atime, mtime, ctime)
 DROP = "X"    # (X, ino)
 REMOTE = "R"  # (R, ino)   the file's persisted content is also in the remote tier
+NODE = "N"    # (N, ino, parent, name, mode, uid, gid, atime, mtime, ctime, rdev, target)
+              # a symlink (target: bytes) or a FIFO, socket or device node (rdev; target nil)
 
 INO_BOOT_SHIFT = 40  # 2**40 inode numbers per boot: never reused across restarts
 
@@ -37,6 +40,10 @@ def file_record(node: Inode, extent: Extent | None, crcs: bytes) -> tuple:
     off, length = (extent.offset, extent.length) if extent else (0, 0)
     return (FILE, node.ino, node.parent, node.name, *_attr_fields(node), node.size,
             off, length, crcs)
+
+
+def node_record(node: Inode) -> tuple:
+    return (NODE, node.ino, node.parent, node.name, *_attr_fields(node), node.rdev, node.target)
 
 
 def move_record(node: Inode) -> tuple:
@@ -62,6 +69,9 @@ class Replayed:
     files: dict[int, tuple[int, Extent | None, bytes]] = field(default_factory=dict)
     remote: set[int] = field(default_factory=set)   # files whose content is also remote
     skipped: int = 0
+
+
+_KINDS = {DIR: {stat.S_IFDIR}, FILE: {stat.S_IFREG}, NODE: META_TYPES}
 
 
 class _Replayer:
@@ -115,21 +125,29 @@ class _Replayer:
         tag = rec[0]
         if tag == BOOT:
             self.out.boot = max(self.out.boot, rec[1])
-        elif tag in (DIR, FILE):
+        elif tag in (DIR, FILE, NODE):
             ino, parent, name = rec[1:4]
             if ino == ROOT_INO:
                 # the root has no (parent, name): the store journals its setattr as DIR(root)
-                if tag == FILE:
-                    raise ValueError("a FILE record for the root")
+                if tag != DIR:
+                    raise ValueError(f"a {tag} record for the root")
                 self._attrs(self.ns.inodes[ROOT_INO], rec[4:10])
                 return
+            kind = stat.S_IFMT(rec[4])
+            if kind not in _KINDS[tag]:
+                raise ValueError(f"file type {kind:#o} in a {tag} record")
+            if tag == NODE and (kind == stat.S_IFLNK) != isinstance(rec[11], bytes):
+                raise ValueError("a symlink's NODE record without a target, or another's with one")
             node = self.ns.inodes.get(ino)
-            if node is None or node.is_dir != (tag == DIR):
+            if node is None or stat.S_IFMT(node.mode) != kind:
                 if node is not None:
                     self.drop(ino)
                 node = Inode(ino, rec[4], rec[5], rec[6], rec[9])
                 self.ns.inodes[ino] = node
             self._attrs(node, rec[4:10])
+            if tag == NODE:
+                node.rdev, node.target = rec[10], rec[11]
+                node.size = len(node.target) if node.target is not None else 0
             if not self.place(node, parent, name):
                 return
             if tag == FILE:
@@ -172,14 +190,17 @@ def replay(ns: Namespace, records) -> Replayed:
 def snapshot_records(ns: Namespace, persisted: dict[int, tuple[Extent | None, bytes]],
                      boot: int, remote: set[int] = frozenset()) -> list:
     """The records that rebuild the current persisted state: directories before their
-    children, only files whose current content is on NVMe. The root is always there: only its
-    attributes are recorded (an operator's chown or chmod of the mount)."""
+    children, only files whose current content is on NVMe, every symlink and special file.
+    The root is always there: only its attributes are recorded (an operator's chown or chmod
+    of the mount)."""
     out = [(BOOT, boot), attr_record(ns.inodes[ROOT_INO])]
     for node in ns.walk():
         if node.ino == ROOT_INO:
             continue
         if node.is_dir:
             out.append(dir_record(node))
+        elif node.is_meta:
+            out.append(node_record(node))
         elif node.ino in persisted:
             extent, crcs = persisted[node.ino]
             out.append(file_record(node, extent, crcs))

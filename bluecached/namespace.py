@@ -13,6 +13,8 @@ from collections.abc import Iterator
 
 ROOT_INO = 1  # FUSE_ROOT_ID
 NAME_MAX = 255
+# A symlink's target: PATH_MAX (4096) with its terminating NUL, the limit tmpfs applies.
+SYMLINK_MAX = 4095
 RENAME_NOREPLACE = 1
 RENAME_EXCHANGE = 2
 
@@ -27,6 +29,11 @@ class FsError(Exception):
         return self.message
 
 
+# Inodes without data: their attributes are the whole of them.
+META_TYPES = frozenset({stat.S_IFLNK, stat.S_IFIFO, stat.S_IFSOCK, stat.S_IFCHR, stat.S_IFBLK})
+TYPES = META_TYPES | {stat.S_IFDIR, stat.S_IFREG}
+
+
 class Inode:
     __slots__ = (
         "ino", "mode", "uid", "gid", "nlink", "size",
@@ -35,6 +42,8 @@ class Inode:
         "children",         # directories: name -> (cookie, ino), insertion (= cookie) order
         "next_cookie",
         "obj",              # regular files: the store's data record
+        "target",           # symlinks: what the link points at (bytes), else None
+        "rdev",             # character and block devices: the device number, else 0
     )
 
     def __init__(self, ino: int, mode: int, uid: int, gid: int, now: int):
@@ -47,6 +56,8 @@ class Inode:
         self.parent: int | None = None
         self.name: bytes | None = None
         self.obj = None
+        self.target: bytes | None = None
+        self.rdev = 0
         if stat.S_ISDIR(mode):
             self.nlink = 2
             self.children: dict[bytes, tuple[int, int]] | None = {}
@@ -60,10 +71,16 @@ class Inode:
     def is_dir(self) -> bool:
         return self.children is not None
 
+    @property
+    def is_meta(self) -> bool:
+        """A symlink, FIFO, socket or device node: attributes only (and a symlink's target),
+        no object bytes in any tier. The index holds all of it; the tiers never see it."""
+        return stat.S_IFMT(self.mode) in META_TYPES
+
     def attrs(self) -> dict:
         return {
             "ino": self.ino, "mode": self.mode, "nlink": self.nlink,
-            "uid": self.uid, "gid": self.gid, "size": self.size,
+            "uid": self.uid, "gid": self.gid, "size": self.size, "rdev": self.rdev,
             "atime_ns": self.atime_ns, "mtime_ns": self.mtime_ns, "ctime_ns": self.ctime_ns,
         }
 
@@ -80,6 +97,18 @@ def check_name(name: bytes) -> None:
     check_length(name)
     if not name or name in (b".", b"..") or b"/" in name or b"\0" in name:
         raise FsError(errno.EINVAL, f"invalid file name {name!r}")
+
+
+def check_target(target: bytes) -> None:
+    """A symlink's target, as Linux takes it: not empty (ENOENT), no NUL, at most PATH_MAX
+    with its NUL (ENAMETOOLONG, as tmpfs)."""
+    if not target:
+        raise FsError(errno.ENOENT, "a symlink's target cannot be empty")
+    if b"\0" in target:
+        raise FsError(errno.EINVAL, "a symlink's target cannot hold a NUL byte")
+    if len(target) > SYMLINK_MAX:
+        raise FsError(errno.ENAMETOOLONG, f"symlink target is {len(target)} bytes, the limit "
+                                          f"is {SYMLINK_MAX}")
 
 
 def mode_after_unprivileged_write(mode: int) -> int:
@@ -154,6 +183,11 @@ class Namespace:
                     break
         return out
 
+    def parent_of(self, ino: int) -> int:
+        """The inode a directory's `..` names: its parent, or the root itself for the root."""
+        node = self.directory(ino)
+        return node.parent if node.parent is not None else node.ino
+
     def walk(self, top: Inode | None = None) -> Iterator[Inode]:
         """Every inode below `top` (default root), parents before children."""
         stack = [top or self.inodes[ROOT_INO]]
@@ -187,18 +221,26 @@ class Namespace:
         node.mtime_ns = node.ctime_ns = now
 
     def add(self, parent_ino: int, name: bytes, mode: int, uid: int, gid: int,
-            ino: int | None = None) -> Inode:
-        """A new directory or regular file at (parent, name); EEXIST if the name is taken."""
+            ino: int | None = None, rdev: int = 0, target: bytes | None = None) -> Inode:
+        """A new inode at (parent, name); EEXIST if the name is taken. Symlinks take their
+        `target`, character and block devices their `rdev`."""
         check_name(name)
+        kind = stat.S_IFMT(mode)
+        if kind not in TYPES:
+            raise FsError(errno.EINVAL, f"unknown file type {kind:#o}")
+        if kind == stat.S_IFLNK:
+            check_target(target)
         parent = self.directory(parent_ino)
         if parent.nlink == 0:
             raise FsError(errno.ENOENT, "directory was removed")
         if name in parent.children:
             raise FsError(errno.EEXIST)
-        if not (stat.S_ISDIR(mode) or stat.S_ISREG(mode)):
-            raise FsError(errno.EPERM, "only directories and regular files are supported")
         now = self.clock()
         node = Inode(self._new_ino() if ino is None else ino, mode, uid, gid, now)
+        if kind == stat.S_IFLNK:
+            node.target, node.size = target, len(target)
+        elif kind in (stat.S_IFCHR, stat.S_IFBLK):
+            node.rdev = rdev
         self.inodes[node.ino] = node
         self._link(parent, name, node)
         self._touch_dir(parent, now)

@@ -16,12 +16,14 @@ MAX_STR = 4096
 MAX_LIST = 64
 MAX_FORGET = 4096
 MAX_BLOB = 65536     # a DOCA export descriptor (its size is the SDK's business)
+MAX_TARGET = 65536   # a symlink's target: the namespace enforces PATH_MAX, with its errno
 
 U64 = "u64"
 I64 = "i64"
 U32 = "u32"
 BYTES = "bytes"
 BLOB = "blob"
+TARGET = "target"
 STR = "str"
 BOOL = "bool"
 U32_LIST = "u32[]"
@@ -42,6 +44,9 @@ OPS: dict[str, tuple[dict, dict]] = {
                                "atime_now": BOOL, "mtime_now": BOOL}),
     "mkdir": (_NEW, {}),
     "create": ({**_NEW, "flags": U32}, {}),
+    "symlink": ({**_PARENT_NAME, "target": TARGET, "uid": U32, "gid": U32}, {}),
+    "mknod": ({**_NEW, "rdev": U64}, {}),
+    "readlink": ({"ino": U64}, {}),
     "open": ({"ino": U64, "flags": U32}, {}),
     "read": (_TRANSFER, {}),
     "write": (_TRANSFER, {"kill_suidgid": BOOL}),
@@ -97,6 +102,8 @@ def _check(kind: str, value) -> bool:
         return 0 <= value < (1 << (64 if kind == U64 else 32))
     if kind == BYTES:
         return type(value) is bytes and len(value) <= MAX_NAME
+    if kind == TARGET:
+        return type(value) is bytes and len(value) <= MAX_TARGET
     if kind == BLOB:
         return type(value) is bytes and 0 < len(value) <= MAX_BLOB
     if kind == STR:

@@ -220,6 +220,15 @@ class ControlServer:
     async def op_mkdir(self, session, parent, name, mode, uid, gid) -> dict:
         return self._known(session, self.store.mkdir(parent, name, mode, uid, gid))
 
+    async def op_symlink(self, session, parent, name, target, uid, gid) -> dict:
+        return self._known(session, self.store.symlink(parent, name, target, uid, gid))
+
+    async def op_mknod(self, session, parent, name, mode, rdev, uid, gid) -> dict:
+        return self._known(session, self.store.mknod(parent, name, mode, rdev, uid, gid))
+
+    async def op_readlink(self, session, ino) -> dict:
+        return {"target": self.store.readlink(ino)}
+
     async def op_create(self, session, parent, name, mode, uid, gid, flags) -> dict:
         handle = await self.store.create(parent, name, mode, uid, gid, flags, session.id)
         return {"fh": handle.fh, "attr": self._known(session, handle.node)}
@@ -318,9 +327,11 @@ class ControlServer:
 
     async def op_readdir(self, session, ino, offset, limit=1024) -> dict:
         entries = self.store.readdir(ino, offset, max(1, min(limit, 4096)))
-        # Full attributes: the kernel uses READDIRPLUS and caches what it is given.
+        # Full attributes: the kernel uses READDIRPLUS and caches what it is given. `parent`
+        # is what the mount lists as `..` (it makes `.` and `..` itself: no reference).
         return {"entries": [[name, self._known(session, node), cookie]
-                            for name, node, cookie in entries]}
+                            for name, node, cookie in entries],
+                "parent": self.store.parent_of(ino)}
 
     async def op_statfs(self, session) -> dict:
         return self.store.statfs()
@@ -337,8 +348,9 @@ class ControlServer:
         children = (store.readdir(node.ino, 0, 1 << 30) if node.is_dir
                     else [(node.name, node, 0)])
         return {"entries": [
-            {"name": name, **child.attrs(),
-             "tier": store.tier_of(child)} for name, child, _ in children]}
+            {"name": name, **child.attrs(), "tier": store.tier_of(child),
+             **({"target": child.target} if child.target is not None else {})}
+            for name, child, _ in children]}
 
     async def op_du(self, session, path="/") -> dict:
         return self.store.usage(path)

@@ -152,7 +152,7 @@ class Store:
     # -- helpers ---------------------------------------------------------------------------
 
     def _note_name(self, node: Inode) -> None:
-        if node.name is not None and node.name.endswith(TMP_SUFFIX) and not node.is_dir:
+        if node.name is not None and node.name.endswith(TMP_SUFFIX) and node.obj is not None:
             self.tmp_inos.add(node.ino)
         else:
             self.tmp_inos.discard(node.ino)
@@ -167,6 +167,9 @@ class Store:
         node = self.ns.get(ino)
         if node.is_dir:
             raise FsError(errno.EISDIR)
+        if node.obj is None:   # the kernel opens these itself (FIFOs, devices) or follows them
+            raise FsError(errno.ELOOP if stat.S_ISLNK(node.mode) else errno.ENXIO,
+                          "not a regular file")
         return node
 
     def _check_size(self, size: int) -> None:
@@ -181,8 +184,11 @@ class Store:
 
     def _maybe_destroy(self, node: Inode) -> None:
         """An unlinked file goes away with its last handle and its last kernel reference."""
-        if (node.parent is None and node.obj is not None and not node.obj.opens
-                and node.ino not in self.kernel_refs):
+        if node.parent is not None or node.ino in self.kernel_refs:
+            return
+        if node.is_meta:
+            self.ns.forget(node)
+        elif node.obj is not None and not node.obj.opens:
             self.tiers.forget(node)
             self.logical_bytes -= node.size
             self.tmp_inos.discard(node.ino)
@@ -192,6 +198,8 @@ class Store:
         """Bookkeeping after a file lost its name (unlink, rename-replace, eviction)."""
         if node.obj is not None:
             self.tiers.unpersist(node)
+        elif node.is_meta:   # journaled since its creation
+            self.tiers.log(index.drop_record(node.ino))
         self.tmp_inos.discard(node.ino)
         self._maybe_destroy(node)
 
@@ -266,6 +274,8 @@ class Store:
         if size is not None:
             if node.is_dir:
                 raise FsError(errno.EISDIR)
+            if node.obj is None:
+                raise FsError(errno.EINVAL, "only a regular file has a size to change")
             if size < 0:
                 raise FsError(errno.EINVAL, "negative size")
             self._check_size(size)
@@ -284,8 +294,8 @@ class Store:
         if mtime_now or mtime_ns is not None:
             node.mtime_ns = now if mtime_now else mtime_ns
         node.ctime_ns = now
-        if node.is_dir or (node.obj is not None and node.obj.persisted):
-            self.tiers.log(index.attr_record(node) if not node.is_dir else index.dir_record(node))
+        if node.obj is None or node.obj.persisted:   # directories, symlinks, special files
+            self.tiers.log(index.dir_record(node) if node.is_dir else index.attr_record(node))
         return node
 
     async def _truncate(self, node: Inode, size: int) -> None:
@@ -318,6 +328,36 @@ class Store:
         node = self.ns.add(parent, name, stat.S_IFDIR | stat.S_IMODE(mode), uid, gid)
         self.tiers.log(index.dir_record(node))
         return node
+
+    def _make_meta(self, parent: int, name: bytes, mode: int, uid: int, gid: int,
+                   rdev: int = 0, target: bytes | None = None) -> Inode:
+        node = self.ns.add(parent, name, mode, uid, gid, rdev=rdev, target=target)
+        try:
+            self.tiers.log(index.node_record(node))
+        except FsError:   # not recorded: not made
+            self.ns.unlink(parent, name)
+            self.ns.forget(node)
+            raise
+        return node
+
+    def symlink(self, parent: int, name: bytes, target: bytes, uid: int, gid: int) -> Inode:
+        """A symlink: its target is all there is, kept in the index (no object, no tier)."""
+        return self._make_meta(parent, name, stat.S_IFLNK | 0o777, uid, gid, target=target)
+
+    def mknod(self, parent: int, name: bytes, mode: int, rdev: int, uid: int,
+              gid: int) -> Inode:
+        """A FIFO, socket or character/block device node: attributes only, in the index."""
+        if stat.S_IFMT(mode) not in (stat.S_IFIFO, stat.S_IFSOCK, stat.S_IFCHR, stat.S_IFBLK):
+            raise FsError(errno.EINVAL, f"mknod makes FIFOs, sockets and devices, not "
+                                        f"{stat.S_IFMT(mode):#o}")
+        return self._make_meta(parent, name, stat.S_IFMT(mode) | stat.S_IMODE(mode), uid, gid,
+                               rdev=rdev)
+
+    def readlink(self, ino: int) -> bytes:
+        node = self.ns.get(ino)
+        if not stat.S_ISLNK(node.mode):
+            raise FsError(errno.EINVAL, "not a symlink")
+        return node.target
 
     def _open(self, node: Inode, flags: int, session: int) -> Handle:
         fh = self._next_fh
@@ -583,7 +623,7 @@ class Store:
         """A client lost bytes it had accepted for this file (a write it acknowledged early
         failed here): the file goes, so no reader gets it without them. Idempotent."""
         node = self.ns.inodes.get(ino)
-        if node is None or node.is_dir or node.parent is None:
+        if node is None or node.obj is None or node.parent is None:
             return
         self.remove_object(node, "a write to it failed after the writer was answered")
 
@@ -595,7 +635,7 @@ class Store:
                flags: int = 0) -> None:
         old_key = self._remote_key(self.ns.lookup(parent, name))
         node, replaced = self.ns.rename(parent, name, new_parent, new_name, flags)
-        if self.remote is not None and not node.is_dir:
+        if self.remote is not None and node.obj is not None:
             self.remote.forget_copy(node, old_key, renamed=True)
             if not node.obj.writers:
                 self.remote.admit(node, "written")
@@ -603,14 +643,20 @@ class Store:
             if replaced.is_dir:
                 self.tiers.log(index.drop_record(replaced.ino))
             else:
+                if self.remote is not None and node.obj is None:
+                    # a symlink or special file took a file's name: no upload replaces the
+                    # file's remote copy under it, so that goes now
+                    self.remote.forget_copy(replaced, self._remote_key(node))
                 self._unlinked(replaced)
-        if node.is_dir or node.obj.persisted:
+        if node.obj is None or node.obj.persisted:   # directories, symlinks, special files
             self.tiers.log(index.move_record(node))
-        if not node.is_dir:
-            self._note_name(node)
+        self._note_name(node)
 
     def readdir(self, ino: int, offset: int, limit: int = 1024) -> list:
         return self.ns.readdir(ino, offset, limit)
+
+    def parent_of(self, ino: int) -> int:
+        return self.ns.parent_of(ino)
 
     def statfs(self) -> dict:
         tiers = self.tiers
@@ -630,7 +676,7 @@ class Store:
         top = self.ns.resolve(path or "/")
         removed = skipped = 0
         for node in list(self.ns.walk(top)):
-            if node.is_dir or node.parent is None:
+            if node.obj is None or node.parent is None:   # symlinks etc. cost nothing
                 continue
             if node.obj.busy:
                 skipped += 1
@@ -641,10 +687,14 @@ class Store:
 
     def usage(self, path: str | None) -> dict:
         top = self.ns.resolve(path or "/")
-        out = {"files": 0, "dirs": 0, "bytes": 0, "dram_bytes": 0, "nvme_bytes": 0, "dirty": 0}
+        out = {"files": 0, "dirs": 0, "other": 0, "bytes": 0, "dram_bytes": 0, "nvme_bytes": 0,
+               "dirty": 0}
         for node in self.ns.walk(top):
             if node.is_dir:
                 out["dirs"] += 1
+                continue
+            if node.obj is None:   # symlinks and special files: in the index, no bytes
+                out["other"] += 1
                 continue
             out["files"] += 1
             out["bytes"] += node.size
@@ -657,8 +707,8 @@ class Store:
 
     def tier_of(self, node: Inode) -> str:
         obj = node.obj
-        if obj is None:
-            return "dir"
+        if obj is None:   # a directory, symlink or special file: the index is all of it
+            return "dir" if node.is_dir else "index"
         in_remote = obj.remote_info is not None or (
             self.remote is not None and obj.remote_version == obj.version)
         where = [t for t, here in (("dram", obj.resident), ("nvme", obj.persisted),

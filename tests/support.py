@@ -156,6 +156,10 @@ class Harness:
                     assert store.ns.inodes[child].parent == node.ino
                     assert store.ns.inodes[child].name == name
                 continue
+            if node.is_meta:   # symlinks and special files: no object, in no tier
+                assert node.obj is None
+                assert node.ino not in tiers.lru_dram and node.ino not in tiers.lru_nvme
+                continue
             obj = node.obj
             logical += node.size
             if obj.chunks is not None:

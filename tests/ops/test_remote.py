@@ -5,6 +5,7 @@ checksum failures, unreachability, and the journal's record of what is uploaded.
 import errno
 import os
 import socket
+import stat
 import threading
 
 import crc32c
@@ -286,6 +287,42 @@ def test_unlink_deletes_the_remote_copy_and_eviction_does_not(harness, ceph, buc
             await h.store.find(ROOT_INO, b"drop.bin")
         await find_path(h, "/keep.bin")  # evicted here, still there
         assert await h.get("/keep.bin") == pattern("k", MiB)
+
+
+def test_symlinks_and_special_files_stay_local(harness, ceph, bucket):
+    """The remote tier carries files: a symlink or FIFO is neither uploaded nor found by
+    another host, and one that takes an uploaded file's name by rename deletes its copy
+    (no upload would replace it). Found locally, they cost no remote lookup."""
+    a, b = harness(), harness()
+    ra = attach(a, ceph, bucket)
+    attach(b, ceph, bucket)
+    s3 = ceph.s3_client()
+
+    def keys():
+        return sorted(o["Key"] for o in s3.list_objects_v2(Bucket=bucket[0]).get("Contents", []))
+
+    @serving(a, b)
+    async def _():
+        await a.put("/d/x.bin", pattern("x", MiB))
+        await a.put("/d/y.bin", pattern("y", MiB))
+        await until(lambda: ra.stats.uploads == 2, "two uploads")
+        d = a.store.ns.resolve("/d").ino
+        a.store.symlink(d, b"link", b"x.bin", 0, 0)
+        a.store.mknod(d, b"fifo", stat.S_IFIFO | 0o644, 0, 0, 0)
+        a.store.symlink(d, b"over", b"x.bin", 0, 0)
+        a.store.rename(d, b"over", d, b"y.bin")
+        await until(lambda: keys() == ["d/x.bin"], "y.bin's remote copy to go")
+        assert ra.queue_length() == 0 and ra.stats.uploads == 2
+        lookups = ra.stats.lookups
+        for name in (b"link", b"fifo", b"y.bin"):
+            assert (await a.store.find(d, name)).is_meta
+        assert ra.stats.lookups == lookups
+        await find_path(b, "/d/x.bin")   # the file, from S3
+        bd = b.store.ns.resolve("/d").ino
+        for name in (b"link", b"fifo", b"y.bin"):
+            with pytest.raises(FsError) as e:
+                await b.store.find(bd, name)
+            assert e.value.errno == errno.ENOENT
 
 
 def test_restart_keeps_the_uploaded_mark(harness, ceph, bucket):
