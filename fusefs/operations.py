@@ -40,6 +40,12 @@ DIRECT_IO = True
 NAME_MAX = 255
 
 
+# A listing starts with `.` and `..` (as on tmpfs: `ls -a` shows them; readdir(3) callers such
+# as os.listdir drop them): the kernel's offsets 1 and 2 follow them, the cache's entries
+# follow at their cookie + DOTS, so every offset stays valid for as long as the entry exists.
+DOTS = 2
+
+
 def _check_name(name: bytes) -> None:
     if len(name) > NAME_MAX:
         raise pyfuse3.FUSEError(errno.ENAMETOOLONG)
@@ -138,8 +144,10 @@ class Operations(pyfuse3.Operations):
         e.st_uid = attr.uid
         e.st_gid = attr.gid
         e.st_size = attr.size
+        e.st_rdev = attr.rdev
         e.st_blksize = 1 << 20
-        e.st_blocks = -(-attr.size // 512)
+        # a symlink's size is its target's length, held in the index: no blocks
+        e.st_blocks = -(-attr.size // 512) if stat.S_ISREG(attr.mode) else 0
         e.st_atime_ns = attr.atime_ns
         e.st_mtime_ns = attr.mtime_ns
         e.st_ctime_ns = attr.ctime_ns
@@ -242,17 +250,33 @@ class Operations(pyfuse3.Operations):
     async def opendir(self, inode, ctx):
         return inode
 
+    @staticmethod
+    def _dot(ino: int) -> pyfuse3.EntryAttributes:
+        """`.` or `..`: the kernel takes only the inode number and type from these (it links
+        no dentry for them, so they are no reference: fs/fuse/readdir.c)."""
+        e = pyfuse3.EntryAttributes()
+        e.st_ino = ino
+        e.st_mode = stat.S_IFDIR
+        return e
+
     @_boundary
     async def readdir(self, fh, start_id, token):
-        offset = start_id
+        offset = max(0, start_id - DOTS)
         while True:
-            entries = await self.cache.readdir(fh, offset, 256)
+            parent, entries = await self.cache.readdir(fh, offset, 256)
+            dots = [(b".", fh), (b"..", parent)][start_id:]
+            for i, (name, ino) in enumerate(dots, start_id + 1):
+                if not pyfuse3.readdir_reply(token, name, self._dot(ino), i):
+                    if entries:
+                        await self.cache.forget([(a.ino, 1) for _, a, _ in entries])
+                    return
+                start_id = i
             if not entries:
                 return
             for i, (name, attr, cookie) in enumerate(entries):
                 # READDIRPLUS: each accepted entry is a lookup the kernel will forget later;
                 # the cache counted all it sent, so return the ones the kernel did not take.
-                if not pyfuse3.readdir_reply(token, name, self._entry(attr), cookie):
+                if not pyfuse3.readdir_reply(token, name, self._entry(attr), cookie + DOTS):
                     await self.cache.forget([(a.ino, 1) for _, a, _ in entries[i:]])
                     return
                 self.lookups[attr.ino] = self.lookups.get(attr.ino, 0) + 1
@@ -270,13 +294,22 @@ class Operations(pyfuse3.Operations):
 
     @_boundary
     async def mknod(self, parent_inode, name, mode, rdev, ctx):
-        _check_name(name)
-        if not stat.S_ISREG(mode):
-            raise pyfuse3.FUSEError(errno.EPERM)  # no devices, fifos or sockets in a cache
+        if not stat.S_ISREG(mode):   # FIFOs, sockets, devices: attributes only, in the index
+            return self._remember(await self.cache.mknod(parent_inode, name, mode, rdev,
+                                                         ctx.uid, ctx.gid))
         fh, attr = await self.cache.create(parent_inode, name, mode, ctx.uid, ctx.gid,
                                            os.O_WRONLY | os.O_EXCL)
         await self.cache.release(fh)
         return self._remember(attr)
+
+    @_boundary
+    async def symlink(self, parent_inode, name, target, ctx):
+        return self._remember(await self.cache.symlink(parent_inode, name, target, ctx.uid,
+                                                       ctx.gid))
+
+    @_boundary
+    async def readlink(self, inode, ctx):
+        return await self.cache.readlink(inode)
 
     @_boundary
     async def open(self, inode, flags, ctx):
@@ -318,22 +351,17 @@ class Operations(pyfuse3.Operations):
         await self.cache.release(fh)
 
     # -- deliberately unsupported ----------------------------------------------------------
-    # A KV cache holds directories and regular files only. EPERM is what Linux file systems
-    # without links answer (e.g. vfat); ENOTSUP is the standard "no extended attributes",
-    # which tools like ls and cp treat as nothing to copy. Locks are not implemented here:
-    # the kernel then keeps flock/fcntl locks local to this host, which is what the
-    # connectors (who never lock) need.
-
-    async def symlink(self, parent_inode, name, target, ctx):
-        _check_name(name)
-        raise pyfuse3.FUSEError(errno.EPERM)
+    # Hard links: the cache's namespace gives an inode one (parent, name), and its eviction,
+    # remote keys and journal records name a file by it; a second name needs all of those to
+    # change together (docs/operations.md). Until then EPERM, what Linux file systems without
+    # hard links answer (e.g. vfat); cp -a, tar and rsync -a then copy the file's bytes again.
+    # ENOTSUP is the standard "no extended attributes", which tools like ls and cp treat as
+    # nothing to copy. Locks are not implemented here: the kernel then keeps flock/fcntl locks
+    # local to this host, which is what the connectors (who never lock) need.
 
     async def link(self, inode, new_parent_inode, new_name, ctx):
         _check_name(new_name)
         raise pyfuse3.FUSEError(errno.EPERM)
-
-    async def readlink(self, inode, ctx):
-        raise pyfuse3.FUSEError(errno.EINVAL)
 
     async def setxattr(self, inode, name, value, ctx):
         raise pyfuse3.FUSEError(errno.ENOTSUP)

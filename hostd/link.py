@@ -48,7 +48,7 @@ PING_INTERVAL = 1.0
 _READ_TAKES_BUFFER = tuple(int(x) for x in pyfuse3.__version__.split(".")[:2]) >= (3, 3)
 
 _IDEMPOTENT = {"lookup", "getattr", "read", "write", "write_batch", "readdir", "statfs", "open",
-               "flush", "fsync", "ping", "forget", "discard"}
+               "flush", "fsync", "ping", "forget", "discard", "readlink"}
 MAX_BATCH = 64   # staged writes per write_batch message
 
 
@@ -358,6 +358,17 @@ class DaemonLink:
         return Attr.from_wire(await self.call("mkdir", parent=parent, name=name, mode=mode,
                                               uid=uid, gid=gid))
 
+    async def symlink(self, parent, name, target, uid, gid) -> Attr:
+        return Attr.from_wire(await self.call("symlink", parent=parent, name=name,
+                                              target=target, uid=uid, gid=gid))
+
+    async def mknod(self, parent, name, mode, rdev, uid, gid) -> Attr:
+        return Attr.from_wire(await self.call("mknod", parent=parent, name=name, mode=mode,
+                                              rdev=rdev, uid=uid, gid=gid))
+
+    async def readlink(self, ino) -> bytes:
+        return (await self.call("readlink", ino=ino))["target"]
+
     async def create(self, parent, name, mode, uid, gid, flags):
         r = await self.call("create", parent=parent, name=name, mode=mode, uid=uid, gid=gid,
                             flags=flags)
@@ -608,7 +619,8 @@ class DaemonLink:
     async def readdir(self, ino, offset, limit):
         await self.inflight.earlier_done()   # entries carry sizes
         r = await self.call("readdir", ino=ino, offset=offset, limit=limit)
-        return [(name, Attr.from_wire(attr), cookie) for name, attr, cookie in r["entries"]]
+        return r.get("parent", ino), [(name, Attr.from_wire(attr), cookie)
+                                      for name, attr, cookie in r["entries"]]
 
     async def statfs(self) -> dict:
         return await self.call("statfs")

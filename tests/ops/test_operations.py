@@ -5,6 +5,7 @@ import os
 import stat
 import subprocess
 import time
+from collections import Counter
 from types import SimpleNamespace
 
 import pyfuse3
@@ -15,22 +16,82 @@ from fusefs.operations import Operations
 from support import run
 
 
-def test_fusefs_answers_enametoolong_for_the_names_it_refuses_itself():
-    """symlink, link and mknod of a non-file never reach the cache: the length comes first."""
+def test_fusefs_answers_link_itself():
+    """link never reaches the cache (no hard links yet): the name's length comes first."""
     ops = Operations(cache=None)
 
-    async def refused(name: bytes) -> list[int]:
-        out = []
-        for call in (lambda: ops.symlink(1, name, b"target", None),
-                     lambda: ops.link(5, 1, name, None),
-                     lambda: ops.mknod(1, name, 0o10644, 0, None)):   # a fifo
-            with pytest.raises(pyfuse3.FUSEError) as e:
-                await call()
-            out.append(e.value.errno)
-        return out
+    async def refused(name: bytes) -> int:
+        with pytest.raises(pyfuse3.FUSEError) as e:
+            await ops.link(5, 1, name, None)
+        return e.value.errno
 
-    assert run(refused, b"n" * 256) == [errno.ENAMETOOLONG] * 3
-    assert run(refused, b"n" * 255) == [errno.EPERM] * 3
+    assert run(refused, b"n" * 256) == errno.ENAMETOOLONG
+    assert run(refused, b"n" * 255) == errno.EPERM
+
+
+class _Listing:
+    """A directory of `count` entries (cookies 1..count) in a cache, and what was forgotten."""
+
+    def __init__(self, count: int, parent: int = 3):
+        self.entries = [(f"e{c}".encode(), Attr(100 + c, stat.S_IFREG | 0o644, 1, 0, 0, c,
+                                                0, 0, 0), c) for c in range(1, count + 1)]
+        self.parent = parent
+        self.sent: Counter = Counter()        # entries handed out: references
+        self.forgotten: Counter = Counter()   # references given back
+
+    async def readdir(self, ino, offset, limit):
+        out = [e for e in self.entries if e[2] > offset][:limit]
+        self.sent.update(a.ino for _, a, _ in out)
+        return self.parent, out
+
+    async def forget(self, counts):
+        for ino, n in counts:
+            self.forgotten[ino] += n
+
+
+def _list(monkeypatch, ops, ino: int, start: int, room: int) -> list[tuple[bytes, int, int]]:
+    """One READDIRPLUS with room for `room` entries: (name, inode, offset) of those taken."""
+    got = []
+
+    def reply(token, name, attr, next_id):
+        if len(got) == room:
+            return False
+        got.append((name, attr.st_ino, next_id))
+        return True
+
+    monkeypatch.setattr(pyfuse3, "readdir_reply", reply)
+    run(ops.readdir, ino, start, None)
+    return got
+
+
+def test_a_listing_starts_with_dot_and_dotdot_at_stable_offsets(monkeypatch):
+    cache = _Listing(5)
+    ops = Operations(cache)
+    everything = _list(monkeypatch, ops, 7, 0, 100)
+    assert everything == [(b".", 7, 1), (b"..", 3, 2)] + [
+        (f"e{c}".encode(), 100 + c, c + 2) for c in range(1, 6)]
+    # the kernel's next request starts at the last offset it took, whatever page size it had
+    for room in (1, 2, 3):
+        pages, offset = [], 0
+        while True:
+            page = _list(monkeypatch, ops, 7, offset, room)
+            if not page:
+                break
+            pages += page
+            offset = page[-1][2]
+        assert pages == everything
+    # `.` and `..` are no reference the kernel holds (it links no dentry for them); entries
+    # handed out but not taken are given back to the cache
+    assert set(ops.lookups) == {101, 102, 103, 104, 105}
+    assert cache.forgotten  # pages of one or two entries left some
+    assert Counter(ops.lookups) + cache.forgotten == cache.sent
+
+
+def test_an_empty_directory_lists_dot_and_dotdot(monkeypatch):
+    ops = Operations(_Listing(0, parent=1))
+    assert _list(monkeypatch, ops, 1, 0, 100) == [(b".", 1, 1), (b"..", 1, 2)]
+    assert _list(monkeypatch, ops, 1, 1, 100) == [(b"..", 1, 2)]
+    assert _list(monkeypatch, ops, 1, 2, 100) == []
 
 
 class _Cache:
