@@ -103,7 +103,7 @@ def test_a_metrics_port_in_use(tmp_path):
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
         busy.listen()
-        listen = "127.0.0.1:%d" % busy.getsockname()[1]
+        listen = f"127.0.0.1:{busy.getsockname()[1]}"
         assert start(tmp_path, **{"metrics.listen": listen}) == [
             f"bluecached: cannot start: metrics endpoint {listen}: cannot listen: "
             "Address already in use"]
