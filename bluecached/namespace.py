@@ -312,10 +312,10 @@ class Namespace:
             self._unlink_entry(new_parent, new_name)
             if target.is_dir:
                 del self.inodes[target.ino]
+        nlink = node.nlink   # the same inode under another name: its links stay as they are
         self._unlink_entry(parent, name)
-        if not node.is_dir:
-            node.nlink += 1  # _unlink_entry counted down; the file keeps its one link
         self._link(new_parent, new_name, node)
+        node.nlink = nlink
         now = self.clock()
         self._touch_dir(parent, now)
         self._touch_dir(new_parent, now)

@@ -153,3 +153,19 @@ def test_posix_rules_through_the_kernel(mounted):
     assert os.read(fd, 10) == b"he"
     os.close(fd)
     os.rmdir(os.path.join(root, "d"))
+
+
+def test_a_renamed_directory_keeps_its_links_and_takes_new_entries(mounted):
+    s = mounted()
+    root = str(s.mnt)
+    os.makedirs(os.path.join(root, "a/sub"))
+    os.rename(os.path.join(root, "a"), os.path.join(root, "b"))
+    assert os.stat(os.path.join(root, "b")).st_nlink == 3   # ., its entry, sub's ..
+    with open(os.path.join(root, "b/f"), "wb") as f:
+        f.write(b"x")
+    os.mkdir(os.path.join(root, "b/sub2"))
+    os.rename(os.path.join(root, "b/sub"), os.path.join(root, "b/sub2/moved"))
+    os.mkdir(os.path.join(root, "b/sub2/moved/deeper"))
+    assert sorted(os.listdir(os.path.join(root, "b"))) == ["f", "sub2"]
+    assert os.stat(os.path.join(root, "b")).st_nlink == 3
+    assert os.stat(os.path.join(root, "b/sub2/moved")).st_nlink == 3

@@ -268,3 +268,20 @@ def test_a_name_over_255_bytes_is_enametoolong_in_every_operation(harness):
     assert sorted(n for n, _, _ in store.ns.readdir(d, 0, 10)) == [b"k" * 255, b"s" * 255]
     assert store.lookup(d, ok).size == 1
 
+
+
+@pytest.mark.parametrize("clean", [True, False], ids=["sigterm", "sigkill"])
+def test_a_renamed_directory_keeps_its_links_and_takes_new_entries(harness, clean):
+    h = harness()
+    s = h.store
+    a = s.mkdir(ROOT_INO, b"a", 0o755, 0, 0)
+    s.mkdir(a.ino, b"sub", 0o755, 0, 0)
+    s.rename(ROOT_INO, b"a", ROOT_INO, b"b")
+    assert a.nlink == 3 and s.root().nlink == 3
+    run(h.put, "/b/f", b"x")
+    s.mkdir(a.ino, b"sub2", 0o755, 0, 0)
+    run(h.settle)
+    h.reopen(clean=clean)
+    b = h.store.ns.resolve("/b")
+    assert b.nlink == 4 and sorted(b.children) == [b"f", b"sub", b"sub2"]
+    h.store.mkdir(b.ino, b"after", 0o755, 0, 0)
