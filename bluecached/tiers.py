@@ -89,6 +89,11 @@ def _read_and_verify(nvme: SegmentStore, extent, chunks: list, size: int, crcs: 
     return -1
 
 
+def _recency(node: Inode) -> int:
+    """When the object was last used (read, opened, written), for eviction order."""
+    return max(node.atime_ns, node.mtime_ns)
+
+
 class Tiers:
     def __init__(self, dram: DramPool, dram_marks: Watermarks,
                  nvme: SegmentStore | None, nvme_marks: Watermarks,
@@ -117,10 +122,11 @@ class Tiers:
 
     # -- journal ---------------------------------------------------------------------------
 
-    def log(self, record) -> None:
+    def log(self, *records) -> None:
+        """Appends records to the journal, all or none."""
         if self.journal is not None:
             try:
-                self.journal.append(record)
+                self.journal.append_many(records)
             except OSError as e:   # the client hears why (ENOSPC above all), no traceback
                 log.error("appending to the index journal failed: %s", e)
                 raise FsError(e.errno or errno.EIO, f"index journal: {e.strerror}") from None
@@ -363,18 +369,23 @@ class Tiers:
         for node in list(self.lru_dram.values()):
             self.queue_writeback(node)
 
-    async def _allocate_extent(self, length: int):
+    async def _allocate_extent(self, length: int, for_node: Inode):
         while True:
             extent = self.nvme.allocate(length)
             if extent is not None:
                 return extent
-            if not self._evict_nvme_one():
+            if not self._evict_nvme_one(older_than=_recency(for_node)):
                 return None
 
-    def _evict_nvme_one(self) -> bool:
+    def _evict_nvme_one(self, older_than: int | None = None) -> bool:
+        """Evicts the least recently used object NVMe holds; with `older_than`, only one used
+        less recently than that: an old object's write-behind (one that waited while the disk
+        was full, say) must not push out newer ones; it stays in DRAM, first in line there."""
         for node in self.lru_nvme.values():
             if node.obj.busy:
                 continue
+            if older_than is not None and _recency(node) > older_than:
+                return False
             self.stats.nvme.evictions += 1
             self._remove_object(node, "evicted from nvme")
             return True
@@ -398,7 +409,7 @@ class Tiers:
         for attempt in (1, 2):
             extent = None
             if size:
-                extent = await self._allocate_extent(size)
+                extent = await self._allocate_extent(size, node)
                 if extent is None:
                     return self._writeback_failed(node, f"no NVMe space for {size} bytes")
             self.pin(obj)
@@ -422,7 +433,9 @@ class Tiers:
                 self.nvme.free(extent)
             return False
         try:
-            self.log(index.file_record(node, extent, crcs))
+            # a file with hard links: all its names with its content, or none of them
+            self.log(index.file_record(node, extent, crcs),
+                     *((index.names_record(node),) if node.extra is not None else ()))
         except FsError as e:   # not recorded: the copy does not count
             if extent is not None:
                 self.nvme.free(extent)

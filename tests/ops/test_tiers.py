@@ -334,3 +334,26 @@ def test_a_file_past_a_segment_gets_efbig_and_one_that_got_in_stays_in_dram(harn
         assert await h.get("/grown") == pattern("grown", 9 * MiB)
 
     h.serve(main)
+
+
+def test_an_older_objects_write_behind_does_not_push_newer_ones_out_of_nvme(harness):
+    # NVMe holds two 4 MiB objects. A file written first but closed last (its write-behind
+    # waited) must not evict the two written after it: it stays in DRAM instead.
+    h = harness(dram=32 * MiB, nvme=8 * MiB, segment=8 * MiB, nvme_marks=(1.0, 0.9))
+
+    async def main():
+        old = await h.store.create(ROOT_INO, b"old", 0o644, 0, 0, os.O_RDWR)
+        await h.write(old.fh, 0, pattern("old", 4 * MiB))
+        await trio.sleep(0.01)    # the clock moves on: "new" files are newer
+        await h.put("/new1", pattern("new1", 4 * MiB))
+        await h.put("/new2", pattern("new2", 4 * MiB))
+        await h.settle()
+        h.store.release(old.fh)   # now its write-behind runs, with NVMe full of newer data
+        await h.settle()
+        assert set(names(h)) == {"old", "new1", "new2"}
+        assert h.store.ns.resolve("/new1").obj.persisted
+        assert h.store.ns.resolve("/new2").obj.persisted
+        assert h.store.ns.resolve("/old").obj.dirty
+        assert await h.get("/old") == pattern("old", 4 * MiB)
+
+    h.serve(main)
