@@ -24,6 +24,7 @@ DROP = "X"    # (X, ino)
 REMOTE = "R"  # (R, ino)   the file's persisted content is also in the remote tier
 NODE = "N"    # (N, ino, parent, name, mode, uid, gid, atime, mtime, ctime, rdev, target)
               # a symlink (target: bytes) or a FIFO, socket or device node (rdev; target nil)
+NAMES = "L"   # (L, ino, [[parent, name], ...])   every name of an inode with hard links
 
 INO_BOOT_SHIFT = 40  # 2**40 inode numbers per boot: never reused across restarts
 
@@ -44,6 +45,16 @@ def file_record(node: Inode, extent: Extent | None, crcs: bytes) -> tuple:
 
 def node_record(node: Inode) -> tuple:
     return (NODE, node.ino, node.parent, node.name, *_attr_fields(node), node.rdev, node.target)
+
+
+def names_record(node: Inode) -> tuple:
+    return (NAMES, node.ino, [[p, n] for p, n in node.names()])
+
+
+def place_record(node: Inode) -> tuple:
+    """What says where a persisted inode is after a change of its names: MOVE while it has
+    one name (which takes any other it had away on replay), NAMES while it has several."""
+    return move_record(node) if node.extra is None else names_record(node)
 
 
 def move_record(node: Inode) -> tuple:
@@ -84,34 +95,48 @@ class _Replayer:
         if node is None or ino == ROOT_INO:
             return
         if node.is_dir:  # its children were dropped before it, or the log is damaged
-            for child in list(self.ns.walk(node))[1:]:
-                self.drop(child.ino)
-        if node.parent is not None:
-            parent = self.ns.inodes[node.parent]
-            parent.children.pop(node.name, None)
-            if node.is_dir:
-                parent.nlink -= 1
+            for name, (_, child) in list(node.children.items()):
+                self._take(child, ino, name)   # a file with a name elsewhere keeps that
+        for parent_ino, name in node.names():
+            self.ns._unlink_entry(self.ns.inodes[parent_ino], name)
         self.ns.inodes.pop(ino, None)
         self.out.files.pop(ino, None)
         self.out.remote.discard(ino)
 
-    def place(self, node: Inode, parent_ino: int, name: bytes) -> bool:
-        parent = self.ns.inodes.get(parent_ino)
-        if parent is None or not parent.is_dir:
-            self.out.skipped += 1
-            log.warning("index: inode %d names missing directory %d; dropped", node.ino, parent_ino)
+    def _take(self, ino: int, parent_ino: int, name: bytes) -> None:
+        """Rename-replace: the inode that holds (parent, name) loses it; gone if it was its
+        last name."""
+        node = self.ns.inodes[ino]
+        if len(node.names()) > 1:
+            self.ns._unlink_entry(self.ns.inodes[parent_ino], name)
+        else:
+            self.drop(ino)
+
+    def place(self, node: Inode, names: list[tuple[int, bytes]]) -> bool:
+        """The inode's names become `names` (each a directory's entry), taken from whoever
+        holds them. False if none is left: the inode is dropped."""
+        valid = []
+        for parent_ino, name in names:
+            parent = self.ns.inodes.get(parent_ino)
+            if parent is None or not parent.is_dir:
+                self.out.skipped += 1
+                log.warning("index: inode %d names missing directory %d; dropped", node.ino,
+                            parent_ino)
+            else:
+                valid.append((parent_ino, name))
+        if not valid:
             self.drop(node.ino)
             return False
-        held = parent.children.get(name)
-        if held is not None and held[1] != node.ino:
-            self.drop(held[1])
-        if node.parent is not None and (node.parent, node.name) != (parent_ino, name):
-            old = self.ns.inodes[node.parent]
-            old.children.pop(node.name, None)
-            if node.is_dir:
-                old.nlink -= 1
-            node.parent = node.name = None
-        if node.parent is None:
+        for parent_ino, name in node.names():
+            if (parent_ino, name) not in valid:
+                self.ns._unlink_entry(self.ns.inodes[parent_ino], name)
+        for parent_ino, name in valid:
+            if (parent_ino, name) in node.names():
+                continue
+            parent = self.ns.inodes[parent_ino]
+            held = parent.children.get(name)
+            if held is not None:
+                self._take(held[1], parent_ino, name)
             self.ns._link(parent, name, node)
         return True
 
@@ -148,7 +173,7 @@ class _Replayer:
             if tag == NODE:
                 node.rdev, node.target = rec[10], rec[11]
                 node.size = len(node.target) if node.target is not None else 0
-            if not self.place(node, parent, name):
+            if not self.place(node, [(parent, name)]):
                 return
             if tag == FILE:
                 size, off, length, crcs = rec[10:14]
@@ -159,7 +184,17 @@ class _Replayer:
             node = self.ns.inodes.get(rec[1])
             self.out.remote.discard(rec[1])   # the remote copy is under the old name
             if node is not None:
-                self.place(node, rec[2], rec[3])
+                self.place(node, [(rec[2], rec[3])])
+        elif tag == NAMES:
+            names = [(p, n) for p, n in rec[2]]
+            if not names or not all(type(p) is int and type(n) is bytes for p, n in names):
+                raise ValueError("a NAMES record without a list of (parent, name)")
+            node = self.ns.inodes.get(rec[1])
+            self.out.remote.discard(rec[1])   # a file with several names is not uploaded
+            if node is not None:
+                if node.is_dir:
+                    raise ValueError("a NAMES record for a directory")
+                self.place(node, names)
         elif tag == ATTR:
             node = self.ns.inodes.get(rec[1])
             if node is not None:
@@ -194,16 +229,30 @@ def snapshot_records(ns: Namespace, persisted: dict[int, tuple[Extent | None, by
     The root is always there: only its attributes are recorded (an operator's chown or chmod
     of the mount)."""
     out = [(BOOT, boot), attr_record(ns.inodes[ROOT_INO])]
+    linked = []   # inodes with several names: after every directory they are in
     for node in ns.walk():
         if node.ino == ROOT_INO:
             continue
         if node.is_dir:
             out.append(dir_record(node))
-        elif node.is_meta:
-            out.append(node_record(node))
-        elif node.ino in persisted:
-            extent, crcs = persisted[node.ino]
-            out.append(file_record(node, extent, crcs))
-            if node.ino in remote:
-                out.append(remote_record(node.ino))
+        elif node.extra is not None:
+            linked.append(node)
+        else:
+            out += _inode_records(node, persisted, remote)
+    for node in linked:
+        records = _inode_records(node, persisted, remote)
+        if records:
+            out += [*records, names_record(node)]
+    return out
+
+
+def _inode_records(node: Inode, persisted: dict, remote: set[int]) -> list:
+    if node.is_meta:
+        return [node_record(node)]
+    if node.ino not in persisted:
+        return []
+    extent, crcs = persisted[node.ino]
+    out = [file_record(node, extent, crcs)]
+    if node.ino in remote:
+        out.append(remote_record(node.ino))
     return out

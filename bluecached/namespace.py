@@ -39,6 +39,7 @@ class Inode:
         "ino", "mode", "uid", "gid", "nlink", "size",
         "atime_ns", "mtime_ns", "ctime_ns",
         "parent", "name",   # where it is linked (None, None once unlinked)
+        "extra",            # a file's other names (hard links): [(parent, name), ...] or None
         "children",         # directories: name -> (cookie, ino), insertion (= cookie) order
         "next_cookie",
         "obj",              # regular files: the store's data record
@@ -55,6 +56,7 @@ class Inode:
         self.atime_ns = self.mtime_ns = self.ctime_ns = now
         self.parent: int | None = None
         self.name: bytes | None = None
+        self.extra: list[tuple[int, bytes]] | None = None
         self.obj = None
         self.target: bytes | None = None
         self.rdev = 0
@@ -70,6 +72,13 @@ class Inode:
     @property
     def is_dir(self) -> bool:
         return self.children is not None
+
+    def names(self) -> list[tuple[int, bytes]]:
+        """Every (parent, name) of the inode: the first is (parent, name), the one paths,
+        events and the remote tier's key use; a file with hard links has more."""
+        if self.parent is None:
+            return []
+        return [(self.parent, self.name), *(self.extra or ())]
 
     @property
     def is_meta(self) -> bool:
@@ -189,10 +198,16 @@ class Namespace:
         return node.parent if node.parent is not None else node.ino
 
     def walk(self, top: Inode | None = None) -> Iterator[Inode]:
-        """Every inode below `top` (default root), parents before children."""
+        """Every inode below `top` (default root), parents before children; a file with
+        several names there once."""
         stack = [top or self.inodes[ROOT_INO]]
+        seen: set[int] = set()   # files with hard links (few: the rest cost nothing here)
         while stack:
             node = stack.pop()
+            if node.extra is not None:
+                if node.ino in seen:
+                    continue
+                seen.add(node.ino)
             yield node
             if node.is_dir:
                 stack.extend(self.inodes[c] for _, c in node.children.values())
@@ -200,21 +215,37 @@ class Namespace:
     # -- mutations -------------------------------------------------------------------------
 
     def _link(self, parent: Inode, name: bytes, node: Inode) -> None:
+        """Gives `node` the name (parent, name): its first, or one more (a hard link)."""
         parent.children[name] = (parent.next_cookie, node.ino)
         parent.next_cookie += 1
-        node.parent, node.name = parent.ino, name
+        if node.parent is None:
+            node.parent, node.name = parent.ino, name
+        else:
+            node.extra = [*(node.extra or ()), (parent.ino, name)]
         if node.is_dir:
             parent.nlink += 1
+        else:
+            node.nlink = 1 + len(node.extra or ())
 
     def _unlink_entry(self, parent: Inode, name: bytes) -> Inode:
+        """Takes the name (parent, name) away from the inode that has it. A file keeps its
+        other names (the next becomes its first); its nlink counts what is left. A
+        directory's own nlink stays (a rename moves it; rmdir sets it to 0)."""
         _, child_ino = parent.children.pop(name)
         child = self.inodes[child_ino]
-        child.parent = child.name = None
+        if (child.parent, child.name) == (parent.ino, name):
+            if child.extra:
+                (child.parent, child.name), *rest = child.extra
+                child.extra = rest or None
+            else:
+                child.parent = child.name = None
+        else:
+            child.extra.remove((parent.ino, name))
+            child.extra = child.extra or None
         if child.is_dir:
             parent.nlink -= 1
-            child.nlink = 0
         else:
-            child.nlink -= 1
+            child.nlink = len(child.names())
         return child
 
     def _touch_dir(self, node: Inode, now: int) -> None:
@@ -246,8 +277,29 @@ class Namespace:
         self._touch_dir(parent, now)
         return node
 
+    def link(self, ino: int, new_parent_ino: int, new_name: bytes) -> Inode:
+        """A hard link: the file (or symlink, or special file) `ino` gets the name
+        (new_parent, new_name) too."""
+        check_name(new_name)
+        node = self.get(ino)
+        if node.is_dir:
+            raise FsError(errno.EPERM, "no hard links to directories")
+        parent = self.directory(new_parent_ino)
+        if parent.nlink == 0:
+            raise FsError(errno.ENOENT, "directory was removed")
+        if new_name in parent.children:
+            raise FsError(errno.EEXIST)
+        if node.parent is None:
+            raise FsError(errno.ENOENT, "the file was removed")
+        self._link(parent, new_name, node)
+        now = self.clock()
+        self._touch_dir(parent, now)
+        node.ctime_ns = now
+        return node
+
     def unlink(self, parent_ino: int, name: bytes) -> Inode:
-        """Removes a file's name. The inode stays in the table: the store drops it when unused."""
+        """Removes a file's name. The inode stays in the table: the store drops it when unused
+        (once it has no name left)."""
         node = self.lookup(parent_ino, name)
         if node.is_dir:
             raise FsError(errno.EISDIR)
@@ -266,6 +318,7 @@ class Namespace:
             raise FsError(errno.ENOTEMPTY)
         parent = self.inodes[parent_ino]
         self._unlink_entry(parent, name)
+        node.nlink = 0
         self._touch_dir(parent, self.clock())
         del self.inodes[node.ino]
         return node
@@ -311,11 +364,10 @@ class Namespace:
         if target is not None:
             self._unlink_entry(new_parent, new_name)
             if target.is_dir:
+                target.nlink = 0
                 del self.inodes[target.ino]
-        nlink = node.nlink   # the same inode under another name: its links stay as they are
         self._unlink_entry(parent, name)
         self._link(new_parent, new_name, node)
-        node.nlink = nlink
         now = self.clock()
         self._touch_dir(parent, now)
         self._touch_dir(new_parent, now)

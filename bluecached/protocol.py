@@ -47,6 +47,7 @@ OPS: dict[str, tuple[dict, dict]] = {
     "symlink": ({**_PARENT_NAME, "target": TARGET, "uid": U32, "gid": U32}, {}),
     "mknod": ({**_NEW, "rdev": U64}, {}),
     "readlink": ({"ino": U64}, {}),
+    "link": ({"ino": U64, "new_parent": U64, "new_name": BYTES}, {}),
     "open": ({"ino": U64, "flags": U32}, {}),
     "read": (_TRANSFER, {}),
     "write": (_TRANSFER, {"kill_suidgid": BOOL}),

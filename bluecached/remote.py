@@ -147,7 +147,9 @@ class RemoteTier(RemoteFetching):
         return self.policy.prefix + rel if rel else None
 
     def key_of(self, node: Inode) -> str | None:
-        if node.parent is None:
+        """A file's key: its path. None for a file with hard links: which path would it be?
+        Such a file stays local (a copy it had goes when it gets its second name)."""
+        if node.parent is None or node.extra is not None:
             return None
         return self.key_for(self.store.ns.path_of(node))
 
@@ -350,7 +352,8 @@ class RemoteTier(RemoteFetching):
     def admit(self, node: Inode, reason: str) -> None:
         """A complete file is a candidate for upload (`reason`: written, read, startup)."""
         obj = node.obj
-        if (obj is None or obj.writers or node.parent is None or self.uploaded(node)
+        if (obj is None or obj.writers or node.parent is None or node.extra is not None
+                or self.uploaded(node)
                 or obj.remote_info is not None or node.ino in self.store.tmp_inos
                 or node.ino in self._queued_inos):
             return

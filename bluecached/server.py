@@ -226,6 +226,9 @@ class ControlServer:
     async def op_mknod(self, session, parent, name, mode, rdev, uid, gid) -> dict:
         return self._known(session, self.store.mknod(parent, name, mode, rdev, uid, gid))
 
+    async def op_link(self, session, ino, new_parent, new_name) -> dict:
+        return self._known(session, await self.store.link(ino, new_parent, new_name))
+
     async def op_readlink(self, session, ino) -> dict:
         return {"target": self.store.readlink(ino)}
 

@@ -152,7 +152,9 @@ class Store:
     # -- helpers ---------------------------------------------------------------------------
 
     def _note_name(self, node: Inode) -> None:
-        if node.name is not None and node.name.endswith(TMP_SUFFIX) and node.obj is not None:
+        """A file whose every name ends in .tmp is a writer's temporary (collect_orphans)."""
+        names = node.names()
+        if node.obj is not None and names and all(n.endswith(TMP_SUFFIX) for _, n in names):
             self.tmp_inos.add(node.ino)
         else:
             self.tmp_inos.discard(node.ino)
@@ -205,13 +207,15 @@ class Store:
 
     def remove_object(self, node: Inode, reason: str) -> None:
         """The cache itself removes a file (eviction, checksum failure, orphan collection):
-        the name goes, and hosts are told so they drop what their kernels cached."""
-        parent, name = node.parent, node.name
-        if parent is not None:
+        its names go, every one (no name may point at bytes that are gone), and hosts are
+        told so they drop what their kernels cached."""
+        names = node.names()
+        for parent, name in names:
             self.ns.unlink(parent, name)
         self.tiers.forget(node)
         self._unlinked(node)
-        self.publish("removed", ino=node.ino, parent=parent, name=name, reason=reason)
+        for parent, name in names or [(None, None)]:
+            self.publish("removed", ino=node.ino, parent=parent, name=name, reason=reason)
 
     # -- namespace operations --------------------------------------------------------------
 
@@ -612,9 +616,40 @@ class Store:
     def _remote_key(self, node: Inode) -> str | None:
         return self.remote.key_of(node) if self.remote is not None else None
 
+    def _journaled(self, node: Inode) -> bool:
+        """Whether the journal names this inode (so a change of its names is recorded)."""
+        return node.obj is None or node.obj.persisted
+
+    def _renamed(self, node: Inode) -> None:
+        """Bookkeeping after an inode that keeps a name had one taken or given."""
+        if self._journaled(node):
+            self.tiers.log(index.place_record(node))
+        self._note_name(node)
+
+    async def link(self, ino: int, new_parent: int, new_name: bytes) -> Inode:
+        """A hard link: one more name for a file (or symlink, or special file). Every name
+        is the same inode: one object, one set of attributes; the object's eviction takes
+        every name with it. A file with several names stays out of the remote tier (its key
+        is a path): a copy it had there goes."""
+        node = self.ns.get(ino)
+        obj = node.obj
+        if obj is not None and obj.remote_info is not None and not node.is_dir:
+            async with obj.content_lock():   # only remote: fetched first, as for a write
+                if obj.remote_info is not None:
+                    await self._load(node)
+        key = self._remote_key(node)
+        self.ns.link(ino, new_parent, new_name)
+        if self.remote is not None and obj is not None:
+            self.remote.forget_copy(node, key)
+        self._renamed(node)
+        return node
+
     def unlink(self, parent: int, name: bytes) -> None:
         key = self._remote_key(self.ns.lookup(parent, name))
         node = self.ns.unlink(parent, name)
+        if node.parent is not None:   # another name of it stays
+            self._renamed(node)
+            return
         if self.remote is not None:
             self.remote.forget_copy(node, key)
         self._unlinked(node)
@@ -642,15 +677,16 @@ class Store:
         if replaced is not None:
             if replaced.is_dir:
                 self.tiers.log(index.drop_record(replaced.ino))
+            elif replaced.parent is not None:   # a file with another name: it keeps that
+                self._renamed(replaced)
             else:
-                if self.remote is not None and node.obj is None:
-                    # a symlink or special file took a file's name: no upload replaces the
-                    # file's remote copy under it, so that goes now
-                    self.remote.forget_copy(replaced, self._remote_key(node))
+                if self.remote is not None and (node.obj is None or node.extra is not None):
+                    # no upload of what took the name (a symlink, a special file, a file with
+                    # hard links) replaces the file's remote copy under it: that goes now
+                    self.remote.forget_copy(replaced, self.remote.key_for(
+                        self.ns.path_of(self.ns.get(new_parent)) + b"/" + new_name))
                 self._unlinked(replaced)
-        if node.obj is None or node.obj.persisted:   # directories, symlinks, special files
-            self.tiers.log(index.move_record(node))
-        self._note_name(node)
+        self._renamed(node)
 
     def readdir(self, ino: int, offset: int, limit: int = 1024) -> list:
         return self.ns.readdir(ino, offset, limit)

@@ -153,9 +153,11 @@ class Harness:
             if node.is_dir:
                 assert stat.S_ISDIR(node.mode)
                 for name, (_, child) in node.children.items():
-                    assert store.ns.inodes[child].parent == node.ino
-                    assert store.ns.inodes[child].name == name
+                    assert (node.ino, name) in store.ns.inodes[child].names()
                 continue
+            for parent, name in node.names():   # every name an entry, nlink counting them
+                assert store.ns.inodes[parent].children[name][1] == node.ino
+            assert node.nlink == len(node.names())
             if node.is_meta:   # symlinks and special files: no object, in no tier
                 assert node.obj is None
                 assert node.ino not in tiers.lru_dram and node.ino not in tiers.lru_nvme

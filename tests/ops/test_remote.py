@@ -325,6 +325,41 @@ def test_symlinks_and_special_files_stay_local(harness, ceph, bucket):
             assert e.value.errno == errno.ENOENT
 
 
+def test_a_file_with_hard_links_stays_local(harness, ceph, bucket):
+    """A key is a path, so a file with several names is not uploaded: the copy it had goes
+    with its second name (a placeholder is fetched first), a write to it is not uploaded,
+    and a name it takes by rename loses its remote copy."""
+    a, b = harness(), harness()
+    ra, rb = attach(a, ceph, bucket), attach(b, ceph, bucket)
+    s3 = ceph.s3_client()
+
+    def keys():
+        return sorted(o["Key"] for o in s3.list_objects_v2(Bucket=bucket[0]).get("Contents", []))
+
+    @serving(a, b)
+    async def _():
+        for name in ("x", "y", "z"):
+            await a.put(f"/{name}.bin", pattern(name, MiB))
+        await until(lambda: ra.stats.uploads == 3, "three uploads")
+        x = a.store.ns.resolve("/x.bin")
+        await a.store.link(x.ino, ROOT_INO, b"x2.bin")
+        await until(lambda: keys() == ["y.bin", "z.bin"], "x.bin's copy to go")
+        assert "remote" not in a.store.tier_of(x)
+        handle = await a.store.open(x.ino, os.O_WRONLY)
+        await a.write(handle.fh, 0, b"new")
+        a.store.release(handle.fh)                  # not admitted: no upload follows
+        assert ra.queue_length() == 0
+        a.store.rename(ROOT_INO, b"x2.bin", ROOT_INO, b"y.bin")
+        await until(lambda: keys() == ["z.bin"], "y.bin's copy to go")
+        # on another host, a placeholder is fetched before it gets a second name
+        z = await find_path(b, "/z.bin")
+        assert b.store.tier_of(z) == "remote"
+        await b.store.link(z.ino, ROOT_INO, b"z2.bin")
+        await until(lambda: keys() == [], "z.bin's copy to go")
+        assert await b.get("/z2.bin") == pattern("z", MiB)
+        assert rb.stats.fetches == 1 and ra.stats.uploads == 3
+
+
 def test_restart_keeps_the_uploaded_mark(harness, ceph, bucket):
     h = harness()
     remote = attach(h, ceph, bucket)
