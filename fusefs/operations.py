@@ -35,20 +35,10 @@ _TO_EIO = {
 # 1 MiB requests go straight to the daemon (faster for this workload than readahead).
 DIRECT_IO = True
 
-# The longest name the cache takes (its statfs f_namemax). The cache refuses longer names in
-# every operation; the ones answered here without asking it check it themselves.
-NAME_MAX = 255
-
-
 # A listing starts with `.` and `..` (as on tmpfs: `ls -a` shows them; readdir(3) callers such
 # as os.listdir drop them): the kernel's offsets 1 and 2 follow them, the cache's entries
 # follow at their cookie + DOTS, so every offset stays valid for as long as the entry exists.
 DOTS = 2
-
-
-def _check_name(name: bytes) -> None:
-    if len(name) > NAME_MAX:
-        raise pyfuse3.FUSEError(errno.ENAMETOOLONG)
 
 
 CAP_FSETID = 4   # linux/capability.h
@@ -312,6 +302,10 @@ class Operations(pyfuse3.Operations):
         return await self.cache.readlink(inode)
 
     @_boundary
+    async def link(self, inode, new_parent_inode, new_name, ctx):
+        return self._remember(await self.cache.link(inode, new_parent_inode, new_name))
+
+    @_boundary
     async def open(self, inode, flags, ctx):
         fh, attr = await self.cache.open(inode, flags)
         if flags & os.O_TRUNC and mode_after_unprivileged_write(attr.mode) != attr.mode:
@@ -351,17 +345,9 @@ class Operations(pyfuse3.Operations):
         await self.cache.release(fh)
 
     # -- deliberately unsupported ----------------------------------------------------------
-    # Hard links: the cache's namespace gives an inode one (parent, name), and its eviction,
-    # remote keys and journal records name a file by it; a second name needs all of those to
-    # change together (docs/operations.md). Until then EPERM, what Linux file systems without
-    # hard links answer (e.g. vfat); cp -a, tar and rsync -a then copy the file's bytes again.
     # ENOTSUP is the standard "no extended attributes", which tools like ls and cp treat as
     # nothing to copy. Locks are not implemented here: the kernel then keeps flock/fcntl locks
     # local to this host, which is what the connectors (who never lock) need.
-
-    async def link(self, inode, new_parent_inode, new_name, ctx):
-        _check_name(new_name)
-        raise pyfuse3.FUSEError(errno.EPERM)
 
     async def setxattr(self, inode, name, value, ctx):
         raise pyfuse3.FUSEError(errno.ENOTSUP)

@@ -366,6 +366,11 @@ class DaemonLink:
         return Attr.from_wire(await self.call("mknod", parent=parent, name=name, mode=mode,
                                               rdev=rdev, uid=uid, gid=gid))
 
+    async def link(self, ino, new_parent, new_name) -> Attr:
+        await self.inflight.settled(ino)   # the reply carries its size
+        return Attr.from_wire(await self.call("link", ino=ino, new_parent=new_parent,
+                                              new_name=new_name))
+
     async def readlink(self, ino) -> bytes:
         return (await self.call("readlink", ino=ino))["target"]
 

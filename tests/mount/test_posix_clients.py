@@ -134,8 +134,8 @@ def test_posix_rules_through_the_kernel(mounted):
     entries = {e.name: e for e in os.scandir(os.path.join(root, "d"))}
     assert entries["f"].is_file() and entries["f"].stat().st_size == 5   # d_type + attrs
     with pytest.raises(OSError) as e:
-        os.link(os.path.join(root, "d/f"), os.path.join(root, "l"))
-    assert e.value.errno == errno.EPERM   # no hard links (yet); symlinks: test_special_files
+        os.link(os.path.join(root, "d"), os.path.join(root, "l"))
+    assert e.value.errno == errno.EPERM   # no hard link to a directory; links: test_special_files
     with pytest.raises(OSError) as e:
         os.setxattr(os.path.join(root, "d/f"), "user.x", b"1")
     assert e.value.errno == errno.ENOTSUP

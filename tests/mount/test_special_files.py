@@ -1,6 +1,7 @@
-"""Symlinks, FIFOs, sockets and device nodes through the kernel, as on tmpfs: tar, cp -a and
-rsync -a copy trees holding them onto the mount and back; they outlive restarts of bluecached;
-a listing shows `.` and `..` to those who ask for them (ls -a) and to nobody else."""
+"""Symlinks, hard links, FIFOs, sockets and device nodes through the kernel, as on tmpfs: tar,
+cp -a and rsync -aH copy trees holding them onto the mount and back; they outlive restarts of
+bluecached; a listing shows `.` and `..` to those who ask for them (ls -a) and to nobody
+else."""
 
 import errno
 import os
@@ -41,6 +42,9 @@ def make_tree(top: str, with_socket: bool = True) -> None:
     os.symlink("/nowhere/at/all", os.path.join(top, "dangling"))
     os.symlink("s" * SYMLINK_MAX, os.path.join(top, "d/longest"))
     os.symlink("ünïcode \xff".encode("utf-8", "surrogateescape"), os.path.join(top, "d/bytes"))
+    os.link(os.path.join(top, "d/file.bin"), os.path.join(top, "d/sub/hard"))
+    os.link(os.path.join(top, "d/file.bin"), os.path.join(top, "hard-at-top"))
+    os.link(os.path.join(top, "d/rel"), os.path.join(top, "d/sub/rel-hard"))   # a symlink's
     os.mkfifo(os.path.join(top, "d/fifo"), 0o640)
     os.mknod(os.path.join(top, "d/tty"), 0o620 | stat.S_IFCHR, os.makedev(4, 64))
     os.mknod(os.path.join(top, "blk"), 0o660 | stat.S_IFBLK, os.makedev(7, 3))
@@ -56,8 +60,10 @@ def make_tree(top: str, with_socket: bool = True) -> None:
 
 
 def describe(top: str, dir_times: bool = True) -> dict:
-    """What lstat and readlink say of every entry below `top` (and the bytes of files)."""
+    """What lstat and readlink say of every entry below `top` (and the bytes of files, and
+    the other names of the same inode)."""
     out = {}
+    inodes: dict[int, list[str]] = {}
     for dirpath, dirnames, filenames in os.walk(top):
         for name in dirnames + filenames:
             path = os.path.join(dirpath, name)
@@ -76,6 +82,11 @@ def describe(top: str, dir_times: bool = True) -> dict:
             if kind == stat.S_IFDIR and not dir_times:
                 del entry["mtime"]
             out[os.path.relpath(path, top)] = entry
+            if kind != stat.S_IFDIR:
+                inodes.setdefault(st.st_ino, []).append(os.path.relpath(path, top))
+    for names in inodes.values():
+        for name in names:
+            out[name]["names"] = sorted(names)
     return out
 
 
@@ -159,10 +170,23 @@ def test_symlinks_and_special_files_through_the_kernel(mounted):
     assert entries["longest"].stat(follow_symlinks=False).st_size == SYMLINK_MAX
     assert sorted(entries) == ["f", "fifo", "l", "longest", "loop", "null", "sock"]
 
-    # hard links: not yet (EPERM, as file systems without them answer)
-    with pytest.raises(OSError) as e:
-        os.link(os.path.join(d, "f"), os.path.join(d, "hard"))
-    assert e.value.errno == errno.EPERM
+    # hard links: one inode, one content, several names
+    os.link(os.path.join(d, "f"), os.path.join(root, "hard"))
+    st = os.stat(os.path.join(root, "hard"))
+    assert st.st_nlink == 2 and st.st_ino == os.stat(os.path.join(d, "f")).st_ino
+    with open(os.path.join(root, "hard"), "r+b") as f:
+        f.write(b"J")
+    with open(os.path.join(d, "f"), "rb") as f:
+        assert f.read() == b"Jello"
+    os.unlink(os.path.join(d, "f"))
+    assert os.stat(os.path.join(root, "hard")).st_nlink == 1
+    os.link(os.path.join(root, "hard"), os.path.join(d, "f"))
+    for src, dst, err in ((d, "dir-link", errno.EPERM), (os.path.join(d, "f"), "hard",
+                                                         errno.EEXIST)):
+        with pytest.raises(OSError) as e:
+            os.link(src, os.path.join(root, dst))
+        assert e.value.errno == err
+    os.unlink(os.path.join(root, "hard"))
 
     # rename and unlink as for files; a symlink or FIFO may replace a file by rename
     os.rename(link, os.path.join(root, "moved"))
@@ -252,12 +276,12 @@ def test_cp_a_and_rsync_a(mounted, tmp_path):
     if shutil.which("rsync") is None:
         pytest.skip("rsync is not installed (cp -a and tar were checked)")
     synced = os.path.join(str(s.mnt), "synced")
-    subprocess.run(["rsync", "-a", src + "/", synced + "/"],
-                   check=True)
+    subprocess.run(["rsync", "-aH", src + "/", synced + "/"], check=True)
     assert_same_tree(src, synced)
     os.unlink(os.path.join(synced, "d/rel"))         # a second run mends what changed
+    os.unlink(os.path.join(synced, "d/sub/hard"))
     os.symlink("elsewhere", os.path.join(synced, "d/dirlink.new"))
-    subprocess.run(["rsync", "-a", "--delete", src + "/", synced + "/"], check=True)
+    subprocess.run(["rsync", "-aH", "--delete", src + "/", synced + "/"], check=True)
     assert_same_tree(src, synced)
 
 
@@ -290,8 +314,9 @@ def test_they_outlive_a_restart_of_bluecached(mounted, tmp_path, sig):
 
 
 def test_a_symlink_to_an_evicted_file_dangles(mounted):
-    """The cache evicts files, never links: once the file is gone, the link resolves to
-    nothing (ENOENT), as a link to a removed file does; written again, the file is back."""
+    """The cache evicts files, never symlinks: once the file is gone, the link resolves to
+    nothing (ENOENT), as a link to a removed file does; written again, the file is back.
+    A file's hard links go with it: no name shows bytes that are gone."""
     s = mounted()
     root = str(s.mnt)
     target = os.path.join(root, "blocks/b.bin")
@@ -300,8 +325,11 @@ def test_a_symlink_to_an_evicted_file_dangles(mounted):
         f.write(pattern("b", 2 * MiB))
     link = os.path.join(root, "latest")
     os.symlink("blocks/b.bin", link)
+    hard = os.path.join(root, "blocks/b-too.bin")
+    os.link(target, hard)
     with open(link, "rb") as f:
         assert f.read() == pattern("b", 2 * MiB)
+    assert os.stat(hard).st_nlink == 2
     client = s.daemon.client()
     try:
         assert client.call("evict", path="/blocks/b.bin")["removed"] == 1
@@ -314,6 +342,7 @@ def test_a_symlink_to_an_evicted_file_dangles(mounted):
     with pytest.raises(FileNotFoundError):
         open(link, "rb")
     assert not os.path.exists(link) and os.path.lexists(link)
+    assert not os.path.lexists(hard) and os.listdir(os.path.join(root, "blocks")) == []
     assert os.readlink(link) == "blocks/b.bin"
     with open(target, "wb") as f:
         f.write(b"again")

@@ -16,19 +16,6 @@ from fusefs.operations import Operations
 from support import run
 
 
-def test_fusefs_answers_link_itself():
-    """link never reaches the cache (no hard links yet): the name's length comes first."""
-    ops = Operations(cache=None)
-
-    async def refused(name: bytes) -> int:
-        with pytest.raises(pyfuse3.FUSEError) as e:
-            await ops.link(5, 1, name, None)
-        return e.value.errno
-
-    assert run(refused, b"n" * 256) == errno.ENAMETOOLONG
-    assert run(refused, b"n" * 255) == errno.EPERM
-
-
 class _Listing:
     """A directory of `count` entries (cookies 1..count) in a cache, and what was forgotten."""
 
