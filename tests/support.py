@@ -444,11 +444,20 @@ def force_unmount(path: Path) -> None:
         unguard_bare(path)
 
 
+_ports_given: set[int] = set()
+
+
 def free_port() -> int:
-    """A TCP port free right now on 127.0.0.1 (tests running side by side must not collide)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A TCP port free right now on 127.0.0.1 (tests running side by side must not collide),
+    and never one this process was given before: a test that asks twice (control and events)
+    could otherwise get the same port back, since nothing holds the first one yet."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port not in _ports_given:
+            _ports_given.add(port)
+            return port
 
 
 def wait_settled(daemon: DaemonProcess, timeout: float = 60) -> dict:
