@@ -192,10 +192,18 @@ async def run(cfg, path: Path | None, notifier) -> None:
                 else:
                     log.warning("writes are copied: %s", problem)
             fuse_done = trio.Event()
+            stopping = False
 
             async def serve_fuse():
                 try:
                     await pyfuse3.main()
+                except* ConnectionAbortedError:
+                    # A busy mount is detached lazily at stop; the kernel may then end the
+                    # connection under the loop's read (ECONNABORTED): the session is over,
+                    # which is what the stop asked for. At any other time it is an error.
+                    if not stopping:
+                        raise
+                    log.info("the kernel ended the FUSE connection")
                 finally:
                     fuse_done.set()
 
@@ -209,6 +217,7 @@ async def run(cfg, path: Path | None, notifier) -> None:
                         continue
                     log.info("%s: unmounting %s", signal.Signals(signum).name, mountpoint)
                     notifier.notify("STOPPING=1")
+                    stopping = True
                     break
                 # Unmount while still serving, so the kernel's last RELEASE and FORGET requests
                 # get answers; the FUSE loop ends when the kernel closes the session.

@@ -15,6 +15,7 @@ from support import MiB, pattern, wait_settled
 SMALL_FS = 160 * MiB
 FULL = ["has room for", "stays in DRAM", "filesystem under the NVMe tier is full",
         "could not write the index snapshot", "O_DIRECT refused", "is not listening",
+        "lost with this stop",   # a stop with the disk full: what only DRAM held is named
         "lost bluecached"]
 
 
