@@ -12,7 +12,8 @@ if [ "${1:-}" = "--test" ]; then
   packages+=(systemd systemd-container debootstrap qemu-user-static binfmt-support
              lintian dpkg-dev debhelper dh-python
              pybuild-plugin-pyproject python3-all-dev python3-setuptools python3-cffi
-             ceph-mon ceph-mgr ceph-osd radosgw ceph-common uuid-runtime)
+             ceph-mon ceph-mgr ceph-osd radosgw ceph-common uuid-runtime
+             rsync)   # tests/mount/test_special_files.py: rsync -aH of links
 fi
 need_apt=()
 for pkg in "${packages[@]}"; do
