@@ -478,3 +478,31 @@ def wait_settled(daemon: DaemonProcess, timeout: float = 60) -> dict:
         raise TimeoutError(f"cache did not settle: {stats}")
     finally:
         client.close()
+
+
+NOBODY = 65534   # user nobody, group nogroup on Debian
+# A command run as user nobody with no supplementary groups: the second, unprivileged user.
+AS_NOBODY = ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups"]
+
+
+def let_others_reach(path) -> None:
+    """pytest's temp directories are 0700: let user nobody walk down to `path`."""
+    d = os.path.dirname(str(path))
+    while d not in ("/", ""):
+        mode = os.stat(d).st_mode
+        if not mode & 0o001:
+            os.chmod(d, (mode & 0o7777) | 0o001)
+        d = os.path.dirname(d)
+
+
+def wait_serving(root, timeout: float = 30) -> None:
+    """Until the mount answers again (hostd reconnects to a restarted bluecached by itself)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            os.listdir(root)
+            return
+        except OSError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)

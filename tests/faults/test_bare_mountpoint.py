@@ -13,9 +13,16 @@ import time
 import pytest
 
 from connectors import block_name, llmd_read, llmd_write
-from support import HostdProcess, MiB, force_unmount, is_mounted, pattern
+from support import (
+    AS_NOBODY,
+    HostdProcess,
+    MiB,
+    force_unmount,
+    is_mounted,
+    let_others_reach,
+    pattern,
+)
 
-NOBODY = 65534      # user nobody, group nogroup on Debian
 BUSY = ["is busy: detaching it lazily"]     # hostd's stop under writers, as expected here
 AFTER = 5           # attempts each writer makes once the mount is gone
 
@@ -44,19 +51,8 @@ while True:
 """
 
 
-def let_others_reach(path) -> None:
-    """pytest's temp directories are 0700: let user nobody walk down to the mount."""
-    d = os.path.dirname(str(path))
-    while d not in ("/", ""):
-        mode = os.stat(d).st_mode
-        if not mode & 0o001:
-            os.chmod(d, (mode & 0o7777) | 0o001)
-        d = os.path.dirname(d)
-
-
 def as_nobody(*argv: str, **kw) -> subprocess.Popen:
-    return subprocess.Popen(["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}",
-                             "--clear-groups", sys.executable, *argv], **kw)
+    return subprocess.Popen([*AS_NOBODY, sys.executable, *argv], **kw)
 
 
 def nobody_creates(path) -> int:

@@ -4,7 +4,7 @@ import os
 import threading
 import time
 
-from support import MiB, pattern
+from support import MiB, pattern, wait_serving
 
 GONE = ["lost bluecached", "is not listening", "-> EIO", "not delivered"]
 
@@ -24,15 +24,7 @@ def test_fsynced_then_renamed_files_survive_sigkill(mounted):
         os.rename(tmp, os.path.join(root, name))
     s.daemon.kill()             # at once: write-behind has had no pause to run by itself
     s.daemon.start()
-    deadline = time.monotonic() + 30
-    while True:                 # hostd reconnects by itself
-        try:
-            os.listdir(root)
-            break
-        except OSError:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.2)
+    wait_serving(root)
     for i, name in enumerate(names):
         with open(os.path.join(root, name), "rb") as f:
             assert f.read() == pattern(name, 8 * MiB + i), name

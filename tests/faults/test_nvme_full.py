@@ -10,7 +10,7 @@ import time
 import pytest
 
 from connectors import block_name, llmd_read, llmd_write
-from support import MiB, pattern, wait_settled
+from support import MiB, pattern, wait_serving, wait_settled
 
 SMALL_FS = 160 * MiB
 FULL = ["has room for", "stays in DRAM", "filesystem under the NVMe tier is full",
@@ -90,15 +90,7 @@ def test_nvme_filesystem_smaller_than_configured_then_filled(mounted, small_fs):
     assert s.daemon.stop() == 0
     assert "Traceback" not in log.read_text()
     s.daemon.start()
-    deadline = time.monotonic() + 30
-    while True:                     # hostd reconnects by itself
-        try:
-            os.listdir(root)
-            break
-        except OSError:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.2)
+    wait_serving(root)
     again = present_blocks(root, 60)
     assert again and set(again) <= set(present)
     for i in again:

@@ -8,9 +8,7 @@ import subprocess
 import sys
 
 from connectors import block_name, llmd_read, llmd_write
-from support import MiB, pattern, wait_settled
-
-NOBODY = 65534
+from support import AS_NOBODY, MiB, let_others_reach, pattern, wait_settled
 
 # Runs as user nobody: the op, then prints the errno it got (0: it succeeded).
 _AS_NOBODY = r"""
@@ -35,20 +33,9 @@ except OSError as e:
 
 
 def as_nobody(op: str, path: str, size: int) -> int:
-    out = subprocess.run(["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}",
-                          "--clear-groups", sys.executable, "-c", _AS_NOBODY, op, path, str(size)],
+    out = subprocess.run([*AS_NOBODY, sys.executable, "-c", _AS_NOBODY, op, path, str(size)],
                          capture_output=True, text=True, timeout=120, check=True)
     return int(out.stdout.strip())
-
-
-def let_others_reach(path: str) -> None:
-    """pytest's temp directories are 0700: let user nobody walk down to the mount."""
-    d = os.path.dirname(path)
-    while d not in ("/", ""):
-        mode = os.stat(d).st_mode
-        if not mode & 0o001:
-            os.chmod(d, (mode & 0o7777) | 0o001)
-        d = os.path.dirname(d)
 
 
 def test_a_file_larger_than_a_segment_is_refused_and_the_daemon_lives(mounted):

@@ -8,9 +8,7 @@ import sys
 
 import pytest
 
-from support import force_unmount
-
-NOBODY = 65534      # user nobody, group nogroup on Debian
+from support import AS_NOBODY, NOBODY, force_unmount, let_others_reach
 
 # Runs as user nobody: creates and writes a file, prints the errno it got (0: it succeeded).
 _WRITE = r"""
@@ -28,20 +26,9 @@ except OSError as e:
 
 
 def as_nobody(code: str, *args: str) -> str:
-    out = subprocess.run(["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}",
-                          "--clear-groups", sys.executable, "-c", code, *args],
+    out = subprocess.run([*AS_NOBODY, sys.executable, "-c", code, *args],
                          capture_output=True, text=True, timeout=120, check=True)
     return out.stdout.strip()
-
-
-def let_others_reach(path: str) -> None:
-    """pytest's temp directories are 0700: let user nobody walk down to the mount."""
-    d = os.path.dirname(path)
-    while d not in ("/", ""):
-        mode = os.stat(d).st_mode
-        if not mode & 0o001:
-            os.chmod(d, (mode & 0o7777) | 0o001)
-        d = os.path.dirname(d)
 
 
 def restart(stack, sig: int) -> None:
