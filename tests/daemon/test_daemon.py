@@ -153,6 +153,10 @@ def test_ctl_reports_a_daemon_that_is_not_there(tmp_path):
 
 
 def test_ctl_as_another_user_says_permission_denied(daemon):
+    probe = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups",
+                            sys.executable, "-c", "import bluecached.ctl"], capture_output=True)
+    if probe.returncode:   # a checkout in a 0700 directory (mktemp -d): nobody cannot import it
+        pytest.skip("user nobody cannot import the project from this checkout")
     d = daemon().start()
     r = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups",
                         sys.executable, "-m", "bluecached.ctl", "--state-dir", str(d.state_dir),
