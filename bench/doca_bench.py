@@ -34,9 +34,9 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
 import trio  # noqa: E402
 
-from bluecached.client import SharedRegion  # noqa: E402
 from bluecached.config import load_config  # noqa: E402
 from bluecached.dma import RegionTable, make_engine  # noqa: E402
+from bluecached.wire.client import SharedRegion  # noqa: E402
 from hostd.doca_export import HostExporter  # noqa: E402
 
 MiB, KiB = 1 << 20, 1 << 10

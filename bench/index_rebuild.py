@@ -19,8 +19,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bluecached.journal import Journal  # noqa: E402
-from bluecached.nvme import Extent, SegmentStore  # noqa: E402
+from bluecached.tiers.journal import Journal  # noqa: E402
+from bluecached.tiers.nvme import Extent, SegmentStore  # noqa: E402
 
 OBJECT_SIZE = 32 << 20
 SEGMENT_SIZE = 1 << 30

@@ -53,7 +53,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT))
 
-from bluecached.s3 import load_credentials, make_client  # noqa: E402
+from bluecached.tiers.s3 import load_credentials, make_client  # noqa: E402
 from ceph_cluster import CephCluster  # noqa: E402
 from connectors import block_name, llmd_read, llmd_write  # noqa: E402
 from support import DaemonProcess, FileClient, HostdProcess, force_unmount  # noqa: E402

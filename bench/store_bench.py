@@ -59,10 +59,10 @@ sys.path.insert(0, str(ROOT))
 
 import yaml  # noqa: E402
 
-from bluecached import protocol  # noqa: E402
-from bluecached.client import RegionChannel, SharedRegion, SyncClient  # noqa: E402
 from bluecached.config import parse_size  # noqa: E402
 from bluecached.namespace import ROOT_INO  # noqa: E402
+from bluecached.wire import protocol  # noqa: E402
+from bluecached.wire.client import RegionChannel, SharedRegion, SyncClient  # noqa: E402
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 OBJECT_SIZE = 32 * MiB

@@ -26,7 +26,7 @@ from typing import Any
 
 import yaml
 
-from .dram import CHUNK_SIZE
+from .tiers.dram import CHUNK_SIZE
 
 DEFAULT_PATH = Path("/etc/bluecache/bluecached.yaml")
 

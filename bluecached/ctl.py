@@ -10,8 +10,8 @@ import sys
 import time
 from pathlib import Path
 
-from . import curve, protocol
-from .client import RemoteError, SyncClient
+from .wire import curve, protocol
+from .wire.client import RemoteError, SyncClient
 
 DEFAULT_STATE_DIR = "/var/lib/bluecache"
 

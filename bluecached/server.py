@@ -12,12 +12,13 @@ import os
 
 import trio
 
-from . import __version__, protocol
+from . import __version__
 from .dma import DmaError, RegionTable
 from .log_limit import LogLimiter
 from .namespace import FsError, Inode, mode_after_unprivileged_write
 from .store import Store
-from .zmqpump import SocketPump
+from .wire import protocol
+from .wire.zmqpump import SocketPump
 
 BAD_MESSAGE_LOG_S = 60.0   # bad control messages are logged at most this often (and counted)
 

@@ -13,11 +13,12 @@ from dataclasses import dataclass
 
 import trio
 
-from . import crc, index
-from .dram import CHUNK_SIZE
+from . import crc
 from .namespace import ROOT_INO, FsError, Inode, Namespace
-from .objects import StoredObject, chunk_count, views
-from .tiers import Tiers
+from .tiers import index
+from .tiers.dram import CHUNK_SIZE
+from .tiers.objects import StoredObject, chunk_count, views
+from .tiers.placement import Tiers
 
 log = logging.getLogger("bluecached.store")
 

@@ -10,9 +10,9 @@ import time
 
 import trio
 
-from .dram import CHUNK_SIZE
-from .objects import chunk_count
-from .tiers import _read_and_verify
+from .tiers.dram import CHUNK_SIZE
+from .tiers.objects import chunk_count
+from .tiers.placement import _read_and_verify
 
 log = logging.getLogger("bluecached.verify")
 

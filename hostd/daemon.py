@@ -23,12 +23,12 @@ import pyfuse3  # noqa: E402
 import trio  # noqa: E402
 import zmq  # noqa: E402
 
-from bluecached import curve, protocol  # noqa: E402
-from bluecached.client import AsyncClient  # noqa: E402
-from bluecached.local_transport import LocalClient  # noqa: E402
 from bluecached.notify import Notifier  # noqa: E402
 from bluecached.paths import describe  # noqa: E402
-from bluecached.zmqpump import SocketPump  # noqa: E402
+from bluecached.wire import curve, protocol  # noqa: E402
+from bluecached.wire.client import AsyncClient  # noqa: E402
+from bluecached.wire.local_transport import LocalClient  # noqa: E402
+from bluecached.wire.zmqpump import SocketPump  # noqa: E402
 from fusefs import Operations, Timeouts  # noqa: E402
 
 from . import config  # noqa: E402

@@ -18,8 +18,8 @@ import sys
 
 import trio
 
-from bluecached.client import RegionChannel, RemoteError
 from bluecached.dma import DmaError
+from bluecached.wire.client import RegionChannel, RemoteError
 
 from . import ioctl_abi as abi
 from .doca_export import DocaSetupError, ExportError, MappedFd

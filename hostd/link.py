@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import pyfuse3
 import trio
 
-from bluecached.client import AsyncClient, RegionChannel, RemoteError, SharedRegion
+from bluecached.wire.client import AsyncClient, RegionChannel, RemoteError, SharedRegion
 from fusefs.cache import Attr
 
 from .doca_export import DocaSetupError, HostExporter

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import trio
 
-from bluecached.client import RemoteError
+from bluecached.wire.client import RemoteError
 
 
 @dataclass(slots=True, eq=False)

@@ -18,7 +18,7 @@ import fcntl
 import os
 import threading
 
-from bluecached.client import SharedRegion
+from bluecached.wire.client import SharedRegion
 
 from . import ioctl_abi as abi
 

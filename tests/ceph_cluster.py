@@ -88,7 +88,7 @@ class CephCluster:
         import boto3
         from botocore.config import Config
 
-        from bluecached.s3 import checksum_options
+        from bluecached.tiers.s3 import checksum_options
         return boto3.session.Session().client(
             "s3", endpoint_url=self.endpoint, region_name=REGION,
             aws_access_key_id=ACCESS_KEY, aws_secret_access_key=SECRET_KEY,

@@ -8,15 +8,15 @@ from pathlib import Path
 
 import trio
 
-from bluecached.client import SharedRegion
 from bluecached.dma import RegionTable
 from bluecached.dma.loopback import LoopbackEngine
-from bluecached.dram import DramPool
-from bluecached.journal import Journal
 from bluecached.namespace import ROOT_INO, FsError
-from bluecached.nvme import SegmentStore
 from bluecached.store import Store
-from bluecached.tiers import Tiers, Watermarks
+from bluecached.tiers.dram import DramPool
+from bluecached.tiers.journal import Journal
+from bluecached.tiers.nvme import SegmentStore
+from bluecached.tiers.placement import Tiers, Watermarks
+from bluecached.wire.client import SharedRegion
 
 MiB = 1 << 20
 
@@ -195,8 +195,8 @@ import time  # noqa: E402
 
 import yaml  # noqa: E402
 
-from bluecached import protocol  # noqa: E402
-from bluecached.client import RegionChannel, SyncClient  # noqa: E402
+from bluecached.wire import protocol  # noqa: E402
+from bluecached.wire.client import RegionChannel, SyncClient  # noqa: E402
 
 
 class DaemonProcess:

@@ -19,7 +19,7 @@ import socket
 import msgpack
 import trio
 
-from ..unix_listener import serve_private
+from ..wire.unix_listener import serve_private
 from . import _stream_copy
 from .engine import DmaEngine, DmaError, Region
 

@@ -9,7 +9,7 @@ import urllib.request
 import pytest
 import zmq
 
-from bluecached import protocol
+from bluecached.wire import protocol
 from support import FileClient, MiB, free_port, pattern
 
 
@@ -166,7 +166,7 @@ def test_ctl_as_another_user_says_permission_denied(daemon):
 
 
 def test_missing_curve_key_hint_is_a_command_that_works(tmp_path):
-    from bluecached import curve
+    from bluecached.wire import curve
     with pytest.raises(curve.CurveError) as e:
         curve.client_keys(tmp_path, "host1")
     hint = str(e.value).split("`")[1]

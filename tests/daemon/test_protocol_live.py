@@ -8,9 +8,9 @@ import pytest
 import trio
 import zmq
 
-from bluecached import curve, protocol
-from bluecached.client import RemoteError, SyncClient, connect
 from bluecached.namespace import ROOT_INO
+from bluecached.wire import curve, protocol
+from bluecached.wire.client import RemoteError, SyncClient, connect
 from support import FileClient, MiB, free_port
 
 BAD_FRAMES = [
@@ -300,7 +300,7 @@ async def _handshake_when_up(client) -> None:
 
 
 def test_local_client_reconnects_to_a_restarted_daemon(daemon):
-    from bluecached.local_transport import LocalClient
+    from bluecached.wire.local_transport import LocalClient
     d = daemon().start()
     path = protocol.state_dir_endpoints(str(d.state_dir))["local"]
 

@@ -7,8 +7,8 @@ import stat
 
 import pytest
 
-from bluecached import index
 from bluecached.namespace import ROOT_INO, FsError, Namespace
+from bluecached.tiers import index
 from support import MiB, pattern, run
 
 

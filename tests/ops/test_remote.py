@@ -13,10 +13,10 @@ import pytest
 import trio
 
 from bluecached import config
+from bluecached.compose import StartupError, build_remote
 from bluecached.crc import chunk_crcs
-from bluecached.daemon import StartupError, build_remote
 from bluecached.namespace import ROOT_INO, FsError
-from bluecached.s3 import CHUNKS_META, CRC_META, SIZE_META, load_credentials, make_client
+from bluecached.tiers.s3 import CHUNKS_META, CRC_META, SIZE_META, load_credentials, make_client
 from support import MiB, pattern, run
 
 
@@ -710,7 +710,7 @@ def test_uploads_sign_their_payload_only_when_asked(harness, ceph, bucket, sign)
 
 
 def test_fetches_hand_their_connection_back_to_the_pool(harness, ceph, bucket):
-    # A fetch reads the socket under urllib3 itself (bluecached/s3.py, _direct_reader); a
+    # A fetch reads the socket under urllib3 itself (bluecached/tiers/s3.py, _direct_reader); a
     # connection not handed back would cost every GET a new TCP connection.
     a, b = harness(), harness()
     attach(a, ceph, bucket)

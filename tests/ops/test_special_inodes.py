@@ -7,8 +7,8 @@ import stat
 
 import pytest
 
-from bluecached import index
 from bluecached.namespace import ROOT_INO, SYMLINK_MAX, FsError, Namespace
+from bluecached.tiers import index
 from support import MiB, pattern, run
 
 FIFO = stat.S_IFIFO | 0o640

@@ -232,7 +232,7 @@ def test_unlinked_files_held_only_by_the_kernel_do_not_wedge_writes(harness):
 
 
 def test_memory_is_mapped_ahead_of_writes_and_never_past_the_capacity(harness):
-    from bluecached.dram import map_ahead
+    from bluecached.tiers.dram import map_ahead
     h = harness(dram=16 * MiB)
     pool = h.store.tiers.dram
 
@@ -266,7 +266,7 @@ def test_memory_is_mapped_ahead_of_writes_and_never_past_the_capacity(harness):
 
 
 def test_the_whole_tier_can_be_mapped_at_start(harness):
-    from bluecached.dram import map_ahead
+    from bluecached.tiers.dram import map_ahead
     h = harness(dram=16 * MiB)
     pool = h.store.tiers.dram
 
@@ -285,7 +285,7 @@ def test_write_behind_yields_to_zero_copy_stores_as_to_writes(harness):
     # checksums and disk writes do not take their CPU. A zero-copy STORE (Store.replace) is
     # such a write: not counting it held the ioctl benchmark's STORE at 3,643 MiB/s against
     # 5,600-6,100 with it (2-core Intel Xeon VM).
-    from bluecached.tiers import WRITEBACK_QUIET_S
+    from bluecached.tiers.placement import WRITEBACK_QUIET_S
     h = harness()
 
     async def main():

@@ -9,8 +9,8 @@ import hashlib
 import os
 import sys
 
-from bluecached.client import RegionChannel, SharedRegion, SyncClient
 from bluecached.namespace import ROOT_INO
+from bluecached.wire.client import RegionChannel, SharedRegion, SyncClient
 
 STATE = "/var/lib/bluecache"
 BLOCK = 32 << 20

@@ -479,6 +479,6 @@ def test_hostd_request_timeout_of_zero_is_refused(tmp_path):
 
 
 def test_a_dram_tier_larger_than_memory_is_warned_about(caplog):
-    from bluecached.dram import DramPool, physical_memory
+    from bluecached.tiers.dram import DramPool, physical_memory
     DramPool(physical_memory() * 2)   # mapped on demand: costs nothing here
     assert "larger than this machine's memory" in caplog.text

@@ -1,5 +1,5 @@
 """Chunk CRC32Cs and the whole-object CRC32C derived from them (bluecached/crc.py), and the
-form they take in S3 object metadata (bluecached/s3.py)."""
+form they take in S3 object metadata (bluecached/tiers/s3.py)."""
 
 import os
 
@@ -7,7 +7,7 @@ import crc32c
 import pytest
 
 from bluecached import crc
-from bluecached.s3 import CHUNKS_META_MAX, decode_chunk_crcs, encode_chunk_crcs
+from bluecached.tiers.s3 import CHUNKS_META_MAX, decode_chunk_crcs, encode_chunk_crcs
 
 MiB = 1 << 20
 

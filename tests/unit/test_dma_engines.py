@@ -9,10 +9,10 @@ import random
 import pytest
 import trio
 
-from bluecached.client import SharedRegion
 from bluecached.config import load_config
 from bluecached.dma import DmaError, RegionTable, make_engine
-from bluecached.objects import ZERO_CHUNK
+from bluecached.tiers.objects import ZERO_CHUNK
+from bluecached.wire.client import SharedRegion
 from hostd.doca_export import HostExporter
 from support import MiB, pattern, run
 

@@ -11,8 +11,8 @@ import pytest
 import trio
 from test_dma_engines import doca_settings
 
-from bluecached.client import SharedRegion
 from bluecached.dma import DmaError, RegionTable, doca_binding, make_engine
+from bluecached.wire.client import SharedRegion
 from hostd.doca_export import HostExporter
 from support import MiB, pattern, run
 
@@ -157,7 +157,7 @@ def test_no_memory_when_the_task_pool_or_the_inventory_is_empty(doca):
 
 CHILD = textwrap.dedent("""
     import ctypes, sys
-    from bluecached.client import SharedRegion
+    from bluecached.wire.client import SharedRegion
     from hostd.doca_export import HostExporter
     mem = SharedRegion({size})
     mem.view[:] = bytes(range(256)) * ({size} // 256)

@@ -3,7 +3,7 @@
 from pathlib import Path
 
 from bluecached import config as bluecached_config
-from bluecached import protocol
+from bluecached.wire import protocol
 from hostd import config as hostd_config
 
 DOCS = Path(__file__).resolve().parents[2] / "docs"

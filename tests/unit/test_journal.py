@@ -11,8 +11,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from bluecached import journal as journal_mod
-from bluecached.journal import Journal, JournalError
+from bluecached.tiers import journal as journal_mod
+from bluecached.tiers.journal import Journal, JournalError
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -49,7 +49,7 @@ def files(path: Path) -> list[str]:
 
 def journal_warnings(caplog) -> list[str]:
     return [r.getMessage() for r in caplog.records
-            if r.name == "bluecached.journal" and r.levelno == logging.WARNING]
+            if r.name == "bluecached.tiers.journal" and r.levelno == logging.WARNING]
 
 
 def test_round_trip(tmp_path):

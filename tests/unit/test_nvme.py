@@ -15,8 +15,8 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from bluecached import nvme
-from bluecached.nvme import ALIGN, Extent, NvmeError, SegmentStore
+from bluecached.tiers import nvme
+from bluecached.tiers.nvme import ALIGN, Extent, NvmeError, SegmentStore
 
 P = ALIGN  # one page
 MiB = 1 << 20
@@ -538,10 +538,10 @@ def test_refused_o_direct_falls_back_or_fails_clearly(tmp_path, monkeypatch, cap
 
     monkeypatch.setattr(os, "open", fake_open)
     monkeypatch.setattr(os, "pwrite", fake_pwrite)
-    with caplog.at_level(logging.INFO, logger="bluecached.nvme"):
+    with caplog.at_level(logging.INFO, logger="bluecached.tiers.nvme"):
         s = store(tmp_path, o_direct="auto")
     assert s.o_direct is False
-    lines = [r for r in caplog.records if r.name == "bluecached.nvme"]
+    lines = [r for r in caplog.records if r.name == "bluecached.tiers.nvme"]
     assert len(lines) == 1 and lines[0].levelno == logging.INFO
     assert "O_DIRECT" in lines[0].getMessage()
     assert not segment_flags(s) & os.O_DIRECT

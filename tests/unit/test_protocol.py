@@ -7,8 +7,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from bluecached import protocol
-from bluecached.protocol import ProtocolError, decode_request, encode_request
+from bluecached.wire import protocol
+from bluecached.wire.protocol import ProtocolError, decode_request, encode_request
 
 
 def test_round_trip_of_every_operation():

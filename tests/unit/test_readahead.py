@@ -7,7 +7,7 @@ import pytest
 import trio
 import trio.testing
 
-from bluecached.client import RemoteError
+from bluecached.wire.client import RemoteError
 from hostd.readahead import ReadAhead
 
 SLOT = 1 << 20

@@ -2,7 +2,7 @@
 
 A file's S3 key is its path under the mount (after an optional prefix); the connectors name
 blocks by content hash, so two hosts writing one name hold the same bytes. What this module
-does, all on the event loop with the blocking S3 calls in worker threads (bluecached/s3.py):
+does, all on the event loop with the blocking S3 calls in worker threads (bluecached/tiers/s3.py):
 
 - uploads: complete files (writers gone, final name) are admitted by policy (all, reread, age)
   into a bounded queue; past the bound they are dropped and counted. Workers upload them while
@@ -10,7 +10,7 @@ does, all on the event loop with the blocking S3 calls in worker threads (blueca
 - lookups that miss locally ask S3 (a HEAD, or a GET that starts a prefetch, and at the
   same time a one-key LIST for a directory) and leave a placeholder inode whose bytes are
   fetched, CRC32C checked chunk by chunk, on first read or by a prefetch
-  (bluecached/remote_fetch.py); misses are kept in a short negative cache so a connector's
+  (bluecached/tiers/remote_fetch.py); misses are kept in a short negative cache so a connector's
   per-block lookups do not each cost a round trip, and the keys a LIST shows are remembered a
   while, so the directory levels below it need no request and a file seen there only a HEAD.
 - failures: a request that gets no answer marks the tier down; lookups then miss at once,
@@ -32,14 +32,14 @@ from dataclasses import dataclass, field
 
 import trio
 
+from ..namespace import ROOT_INO, FsError, Inode
 from . import index
 from .dram import CHUNK_SIZE
-from .namespace import ROOT_INO, FsError, Inode
 from .objects import views
 from .remote_fetch import RemoteFetching
 from .s3 import S3Error, S3Store
 
-log = logging.getLogger("bluecached.remote")
+log = logging.getLogger("bluecached.tiers.remote")
 
 NEGATIVE_CACHE_MAX = 65536
 LISTED_TTL_S = 30            # keys seen in a LIST are trusted this long (files: HEAD only)

@@ -15,7 +15,7 @@ import trio
 
 CHUNK_SIZE = 1 << 20
 
-log = logging.getLogger("bluecached.dram")
+log = logging.getLogger("bluecached.tiers.dram")
 
 
 def physical_memory() -> int:

@@ -15,11 +15,12 @@ from dataclasses import dataclass, field
 import crc32c
 import trio
 
-from . import crc, index
+from .. import crc
+from ..log_limit import LogLimiter
+from ..namespace import FsError, Inode
+from . import index
 from .dram import CHUNK_SIZE, DramPool
 from .journal import Journal
-from .log_limit import LogLimiter
-from .namespace import FsError, Inode
 from .nvme import SegmentStore
 from .objects import ZERO_CHUNK, StoredObject, chunk_count
 

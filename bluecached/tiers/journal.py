@@ -24,7 +24,7 @@ from pathlib import Path
 import crc32c
 import msgpack
 
-log = logging.getLogger("bluecached.journal")
+log = logging.getLogger("bluecached.tiers.journal")
 
 SNAP_NAME = "index.snap"
 SNAP_MAGIC = b"BCIDXSNP"

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import crc32c
 
-from . import crc as crcs
+from .. import crc as crcs
 
 CRC_META = "bluecache-crc32c"
 SIZE_META = "bluecache-size"

@@ -1,7 +1,7 @@
 """The remote tier's read side: a placeholder's bytes fetched into DRAM and served chunk by
 chunk as their CRC32Cs match (bluecached/arrival.py), and prefetching of looked-up files.
 
-`RemoteFetching` is the half of `RemoteTier` (bluecached/remote.py) that does this; it uses
+`RemoteFetching` is the half of `RemoteTier` (bluecached/tiers/remote.py) that does this; it uses
 the tier's S3 store, store, policy, counters, reachability (`_error`, `_recovered`,
 `_thread`), placeholders and nursery, which RemoteTier sets up.
 
@@ -24,13 +24,13 @@ import time
 
 import trio
 
-from .arrival import Arrival
+from ..arrival import Arrival
+from ..namespace import FsError, Inode
 from .dram import CHUNK_SIZE
-from .namespace import FsError, Inode
 from .objects import chunk_count, views
 from .s3 import Changed, ChecksumMismatch, S3Error
 
-log = logging.getLogger("bluecached.remote")
+log = logging.getLogger("bluecached.tiers.remote")
 
 PREFETCH_QUEUE_MAX = 4096    # looked-up placeholders waiting for a prefetch slot
 PREFETCH_UNREAD_S = 60       # prefetched bytes nobody read stop counting against the bound

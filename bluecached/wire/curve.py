@@ -15,9 +15,9 @@ import zmq
 import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
 
-from .log_limit import LogLimiter
+from ..log_limit import LogLimiter
 
-log = logging.getLogger("bluecached.curve")
+log = logging.getLogger("bluecached.wire.curve")
 
 
 class CurveError(Exception):

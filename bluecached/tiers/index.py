@@ -9,10 +9,10 @@ import logging
 import stat
 from dataclasses import dataclass, field
 
-from .namespace import META_TYPES, ROOT_INO, Inode, Namespace
+from ..namespace import META_TYPES, ROOT_INO, Inode, Namespace
 from .nvme import Extent
 
-log = logging.getLogger("bluecached.index")
+log = logging.getLogger("bluecached.tiers.index")
 
 # Record tags (one letter: a million records should stay small).
 BOOT = "B"    # (B, boot_number)                   inode numbers of this boot start at boot << 40

@@ -22,7 +22,7 @@ from operator import itemgetter
 from pathlib import Path
 from typing import NamedTuple
 
-log = logging.getLogger("bluecached.nvme")
+log = logging.getLogger("bluecached.tiers.nvme")
 
 ALIGN = 4096
 INDEX_RESERVE = 16 << 20   # filesystem space the tier leaves for index snapshots beside it

@@ -1,0 +1,1 @@
+"""bluecached/tiers."""
