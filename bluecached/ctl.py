@@ -140,6 +140,21 @@ def cmd_verify(client, args) -> int:
     return 1 if progress["failed"] else 0
 
 
+def cmd_up(args) -> int:
+    """`up` runs hostd, which the DPU package does not ship: bluecached reaches it only where
+    the host package is installed, and says so in one line where it is not."""
+    try:
+        from hostd.embedded import up
+    except ImportError as e:
+        if not (e.name or "").startswith("hostd"):
+            raise
+        print("bluecachectl up needs the host package (bluecache-host): it runs bluecached and "
+              "hostd on one machine, and hostd is not installed here", file=sys.stderr)
+        return 2
+    return up(args.mount, args.state_dir, args.dram_size, args.nvme_size,
+              not args.no_allow_other, args.metrics)
+
+
 def cmd_keygen(args) -> int:
     curve_dir = Path(args.curve_dir)
     public, secret = curve.generate(curve_dir, args.name)
@@ -204,9 +219,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "keygen":
             return cmd_keygen(args)
         if args.command == "up":
-            from hostd.embedded import up
-            return up(args.mount, args.state_dir, args.dram_size, args.nvme_size,
-                      not args.no_allow_other, args.metrics)
+            return cmd_up(args)
         # Like any Unix tool: `bluecachectl stats | head` ends quietly. (Not for `up`, which
         # must outlive its reader to stop its daemons cleanly.)
         signal.signal(signal.SIGPIPE, signal.SIG_DFL)

@@ -18,7 +18,7 @@ import fcntl
 import os
 import threading
 
-from bluecached.wire.client import SharedRegion
+from bluecached.shm import SharedRegion
 
 from . import ioctl_abi as abi
 

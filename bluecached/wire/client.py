@@ -7,16 +7,14 @@ owned by one task (zmqpump) and callers wait on their own reply.
 import array
 import contextlib
 import errno
-import fcntl
 import itertools
-import mmap
-import os
 import socket
 
 import msgpack
 import trio
 import zmq
 
+from ..shm import SharedRegion
 from . import protocol
 from .zmqpump import SocketPump
 
@@ -149,29 +147,7 @@ class SyncClient:
         self._sock.close()
 
 
-# -- shared memory regions (loopback engine) ---------------------------------------------------
-
-
-class SharedRegion:
-    """A sealed memfd mapped here; registered with the daemon it becomes a DMA region."""
-
-    def __init__(self, length: int, name: str = "bluecache-region"):
-        self.length = length
-        self.fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
-        try:
-            os.ftruncate(self.fd, length)
-            fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS,
-                        fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
-            self.map = mmap.mmap(self.fd, length)
-        except BaseException:
-            os.close(self.fd)
-            raise
-        self.view = memoryview(self.map)
-
-    def close(self) -> None:
-        self.view.release()
-        self.map.close()
-        os.close(self.fd)
+# -- region registration (loopback engine) ---------------------------------------------------
 
 
 class RegionChannel:
