@@ -7,14 +7,10 @@ stop hostd first (unmount), then bluecached (write-behind and index checkpoint).
 supervisor itself dies (SIGKILL included), the kernel sends both children SIGTERM.
 """
 
-import contextlib
-import ctypes
 import os
 import signal
 import socket
-import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -23,78 +19,12 @@ import yaml
 from bluecached import statelock
 from bluecached.config import ConfigError, load_config, parse_size
 from bluecached.paths import PathProblem, describe, make_directory, not_a_directory
+from bluecached.supervisor import NotReady, Supervised, python_module
 
 from .mount import mounts_at
 
 DEFAULT_MOUNT = "/mnt/kv-cache"
 DEFAULT_STATE = "/var/lib/bluecache"
-
-
-PR_SET_PDEATHSIG = 1
-
-
-def _die_with_parent(parent: int):
-    """A preexec_fn: the child gets SIGTERM when this supervisor dies, even by SIGKILL, so no
-    daemon is left running unsupervised. SIGTERM, not SIGKILL: bluecached persists its cache
-    and hostd unmounts, as on Ctrl-C. The kernel sends it when the thread that forked the child
-    exits, so children are started from the main thread only (it lives as long as `up`)."""
-    if threading.current_thread() is not threading.main_thread():
-        raise RuntimeError("daemons must be started from the main thread")
-    prctl = ctypes.CDLL(None, use_errno=True).prctl   # looked up before the fork
-
-    def preexec() -> None:
-        if prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0) != 0:
-            os._exit(127)
-        if os.getppid() != parent:   # the supervisor died before the prctl: nobody to signal
-            os._exit(1)
-
-    return preexec
-
-
-class Child:
-    def __init__(self, name: str, argv: list[str], notify_path: Path, log_path: Path | None):
-        self.name = name
-        self.notify_path = notify_path
-        with contextlib.suppress(FileNotFoundError):
-            notify_path.unlink()
-        self.notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-        self.notify.bind(str(notify_path))
-        env = dict(os.environ, NOTIFY_SOCKET=str(notify_path), PYTHONUNBUFFERED="1")
-        # Its own session (a terminal's Ctrl-C reaches only this supervisor, which stops the
-        # children in order), but it dies with the supervisor: see _die_with_parent.
-        self.proc = subprocess.Popen(argv, env=env, start_new_session=True,
-                                     preexec_fn=_die_with_parent(os.getpid()))
-
-    def wait_ready(self, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        while True:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.name} exited with status {self.proc.returncode} "
-                                   "before it was ready (its log is above)")
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise RuntimeError(f"{self.name} was not ready within {timeout:g}s")
-            self.notify.settimeout(min(left, 0.5))
-            try:
-                if b"READY=1" in self.notify.recv(4096):
-                    return
-            except TimeoutError:
-                pass
-
-    def stop(self, timeout: float = 120) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                print(f"bluecachectl up: {self.name} did not stop in {timeout:g}s; killing it",
-                      file=sys.stderr)
-                self.proc.kill()
-                self.proc.wait()
-        self.notify.close()
-        with contextlib.suppress(FileNotFoundError):
-            self.notify_path.unlink()
-        return self.proc.returncode
 
 
 def _notify_systemd(message: str) -> None:
@@ -103,6 +33,13 @@ def _notify_systemd(message: str) -> None:
         with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as s:
             s.connect("\0" + path[1:] if path.startswith("@") else path)
             s.send(message.encode())
+
+
+def _daemon(name: str, module: str, config: Path, state: Path) -> Supervised:
+    """Its own session (a terminal's Ctrl-C reaches only `up`, which stops the daemons in
+    order), but it dies with `up`; its log goes to `up`'s stderr."""
+    return Supervised(name, python_module(module, "--config", str(config)),
+                      state / f"up-{name}.notify", new_session=True, die_with_parent=True)
 
 
 DEFAULT_METRICS = "127.0.0.1:9464"
@@ -171,8 +108,7 @@ def up(mount: str, state_dir: str, dram_size: str | None, nvme_size: str | None,
         print(f"bluecachectl up: cannot write the daemons' configs: {describe(e)}",
               file=sys.stderr)
         return 1
-    python = sys.executable
-    children: list[Child] = []
+    children: list[Supervised] = []
     stopping = []
 
     def on_signal(signum, frame):
@@ -182,14 +118,12 @@ def up(mount: str, state_dir: str, dram_size: str | None, nvme_size: str | None,
     signal.signal(signal.SIGTERM, on_signal)
     status = 0
     try:
-        daemon = Child("bluecached", [python, "-m", "bluecached.daemon", "--config",
-                                      str(bluecached_yaml)], state / "up-bluecached.notify", None)
+        daemon = _daemon("bluecached", "bluecached.daemon", bluecached_yaml, state)
         children.append(daemon)
-        daemon.wait_ready(120)
-        hostd = Child("hostd", [python, "-m", "hostd.daemon", "--config", str(hostd_yaml)],
-                      state / "up-hostd.notify", None)
+        daemon.start().wait_ready(120)
+        hostd = _daemon("hostd", "hostd.daemon", hostd_yaml, state)
         children.append(hostd)
-        hostd.wait_ready(60)
+        hostd.start().wait_ready(60)
         gib = 1 << 30
         print(f"bluecache ready: {Path(mount).resolve()} (dram {cfg.tiers.dram.size / gib:g} GiB, "
               f"nvme {cfg.tiers.nvme.size / gib:g} GiB at {cfg.tiers.nvme.path}); "
@@ -197,17 +131,23 @@ def up(mount: str, state_dir: str, dram_size: str | None, nvme_size: str | None,
         _notify_systemd("READY=1")
         while not stopping:
             for child in children:
-                if child.proc.poll() is not None:
+                if not child.running():
                     raise RuntimeError(f"{child.name} exited unexpectedly with status "
                                        f"{child.proc.returncode}")
             time.sleep(0.2)
         _notify_systemd("STOPPING=1")
+    except NotReady as e:
+        print(f"bluecachectl up: {e} (its log is above)", file=sys.stderr)
+        status = 1
     except RuntimeError as e:
         print(f"bluecachectl up: {e}", file=sys.stderr)
         status = 1
     finally:
         for child in reversed(children):
-            code = child.stop()
+            code = child.stop(timeout=120)
+            if child.killed:
+                print(f"bluecachectl up: {child.name} did not stop in 120s; killed it",
+                      file=sys.stderr)
             if code not in (0, None) and not status:
                 print(f"bluecachectl up: {child.name} stopped with status {code}",
                       file=sys.stderr)
