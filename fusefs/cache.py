@@ -1,7 +1,7 @@
 """What fusefs needs from the cache behind it.
 
 Errors are OSError with the errno the cache means; fusefs maps them to what applications see
-(operations.py, `errno_for`). Names are bytes, times are nanoseconds.
+(errors.py). Names are bytes, times are nanoseconds.
 """
 
 from dataclasses import dataclass

@@ -1,8 +1,8 @@
 """pyfuse3 Operations: the kernel's requests, served by a `Cache`.
 
 Thin on purpose: every POSIX rule lives in the cache daemon; this class translates requests,
-keeps the kernel's caches honest (timeouts, lookup counts, invalidation), and is the single
-place where errors become the errno an application sees.
+keeps the kernel's caches honest (timeouts, lookup counts, invalidation), and turns every
+failure into the errno the kernel gets (errors.py, shared with inplace.py and ioctl.py).
 """
 
 import errno
@@ -16,19 +16,9 @@ import pyfuse3
 import trio
 
 from .cache import Attr, Cache
+from .errors import errno_for
 
 log = logging.getLogger("fusefs")
-
-# Errors whose errno means something to the cache but nothing to an application; each becomes
-# EIO ("the storage behind this file failed"), the one error every program handles:
-_TO_EIO = {
-    errno.ETIMEDOUT,     # the cache daemon did not answer within hostd's timeout
-    errno.ECONNREFUSED,  # ... or is not running
-    errno.EPROTO,        # version/handshake trouble between hostd and the daemon
-    errno.EBADMSG,       # a message the daemon could not decode
-    errno.EMSGSIZE,
-    errno.EFAULT,        # a staging-region span the daemon refused: hostd's bug, not the app's
-}
 
 # Regular files carry no page cache in the host: the bytes live in the cache tier, and caching
 # them again in host RAM would spend the memory offloading is meant to save. It also makes
@@ -65,13 +55,6 @@ def mode_after_unprivileged_write(mode: int) -> int:
     if mode & stat.S_IXGRP:
         kill |= mode & stat.S_ISGID
     return mode & ~kill
-
-
-def errno_for(e: OSError) -> int:
-    """The errno an application sees for a cache failure."""
-    if e.errno is None or e.errno in _TO_EIO:
-        return errno.EIO
-    return e.errno
 
 
 def _boundary(handler):
