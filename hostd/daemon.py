@@ -15,9 +15,9 @@ import socket
 import sys
 from pathlib import Path
 
-from . import ioctl  # first: the ioctl shim must be loaded before pyfuse3 (see load_shim)
+from .shim import load_shim  # first: the fuse shim must be loaded before pyfuse3
 
-SHIM, SHIM_PROBLEM = ioctl.load_shim()
+SHIM, SHIM_PROBLEM = load_shim()
 
 import pyfuse3  # noqa: E402
 import trio  # noqa: E402
@@ -30,10 +30,12 @@ from bluecached.wire.client import AsyncClient  # noqa: E402
 from bluecached.wire.local_transport import LocalClient  # noqa: E402
 from bluecached.wire.zmqpump import SocketPump  # noqa: E402
 from fusefs import Operations, Timeouts  # noqa: E402
+from fusefs.inplace import InPlaceWrites  # noqa: E402
+from fusefs.ioctl import IoctlDispatch  # noqa: E402
 
 from . import config  # noqa: E402
 from .fuse_log import answer_to_a_gone_connection  # noqa: E402
-from .inplace import InPlaceWrites  # noqa: E402
+from .ioctl import ZeroCopyTransfers  # noqa: E402
 from .link import DaemonLink, DocaSetupError  # noqa: E402
 from .mount import (  # noqa: E402
     FSNAME,
@@ -172,7 +174,7 @@ async def run(cfg, path: Path | None, notifier) -> None:
             except RuntimeError as e:
                 raise StartupError(f"cannot mount {mountpoint}: {e}") from None
             if SHIM is not None:
-                ioctls = ioctl.IoctlServer(SHIM, link)
+                ioctls = IoctlDispatch(SHIM, ZeroCopyTransfers(link))
                 await nursery.start(ioctls.run)
                 log.info("zero-copy %s", ioctls.state())
             else:

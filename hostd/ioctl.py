@@ -1,10 +1,10 @@
-"""The zero-copy ioctl: STORE, LOAD and QUERY on files of the mount (include/bluecache_ioctl.h).
+"""The zero-copy ioctl's transfers: STORE, LOAD and QUERY on files of the mount
+(include/bluecache_ioctl.h).
 
-pyfuse3 has no ioctl handler; native/fuse_shim.c adds one (see there) and calls
-`bc_ioctl_to_python` for each request, inside pyfuse3's request loop. That callback copies the
-fixed-size request struct and starts a task; the task validates everything, takes the caller's
-fd with pidfd_getfd, registers the memory with the daemon's DMA engine and asks the daemon to
-move the bytes. hostd never touches the payload.
+fusefs/ioctl.py takes each request from the kernel and answers it; this is the `Transfers`
+behind it. It validates the request struct against the ABI, takes the caller's fd with
+pidfd_getfd, registers the memory with the daemon's DMA engine and asks the daemon to move the
+bytes. hostd never touches the payload.
 """
 
 import ctypes
@@ -14,12 +14,12 @@ import logging
 import mmap
 import os
 import stat
-import sys
 
 import trio
 
 from bluecached.dma import DmaError
 from bluecached.wire.client import RegionChannel, RemoteError
+from fusefs.errors import Refused
 
 from . import ioctl_abi as abi
 from .doca_export import DocaSetupError, ExportError, MappedFd
@@ -29,46 +29,24 @@ log = logging.getLogger("hostd.ioctl")
 _SYS_PIDFD_GETFD = 438   # the same number on x86_64 and arm64 (asm-generic)
 _libc = ctypes.CDLL(None, use_errno=True)
 MAX_SPAN = 1 << 62       # offsets and lengths beyond this are nonsense (and overflow-prone)
-FUSE_IOCTL_DIR = 1 << 4  # the ioctl was made on a directory
-
-
-class IoctlError(OSError):
-    def __init__(self, err: int, why: str):
-        super().__init__(err, why)
-
-
-def load_shim():
-    """Loads the shim before pyfuse3 so that pyfuse3's fuse_session_new resolves to it.
-    Returns (module, None) or (None, reason)."""
-    if "pyfuse3" in sys.modules:
-        return None, "pyfuse3 was imported before the ioctl shim"
-    flags = sys.getdlopenflags()
-    sys.setdlopenflags(flags | os.RTLD_GLOBAL)
-    try:
-        from . import _fuse_shim
-    except ImportError as e:
-        return None, f"the ioctl shim is not built ({e}); reinstall with libfuse3-dev present"
-    finally:
-        sys.setdlopenflags(flags)
-    return _fuse_shim, None
 
 
 def take_fd(pid: int, fd: int) -> int:
     """A duplicate of the caller's fd `fd` (pidfd_getfd). The caller can only name its own."""
     if fd < 0:
-        raise IoctlError(errno.EBADF, f"fd {fd} is not a file descriptor")
+        raise Refused(errno.EBADF, f"fd {fd} is not a file descriptor")
     try:  # FUSE reports the calling thread; pidfd_open wants its process
         with open(f"/proc/{pid}/status") as f:
             tgid = next(int(line.split()[1]) for line in f if line.startswith("Tgid:"))
         pidfd = os.pidfd_open(tgid)
     except (OSError, StopIteration) as e:
-        raise IoctlError(errno.EPERM, f"cannot reach the calling process {pid}: {e}") from None
+        raise Refused(errno.EPERM, f"cannot reach the calling process {pid}: {e}") from None
     try:
         dup = _libc.syscall(_SYS_PIDFD_GETFD, pidfd, fd, 0)
         if dup < 0:
             err = ctypes.get_errno()
-            raise IoctlError(err if err == errno.EBADF else errno.EPERM,
-                             f"pidfd_getfd({pid}, {fd}): {os.strerror(err)}")
+            raise Refused(err if err == errno.EBADF else errno.EPERM,
+                          f"pidfd_getfd({pid}, {fd}): {os.strerror(err)}")
         return dup
     finally:
         os.close(pidfd)
@@ -84,18 +62,18 @@ def check_memory(fd: int, kind: int, offset: int, length: int) -> None:
         try:
             seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
         except OSError:
-            raise IoctlError(errno.EINVAL, "MEMFD: the fd is not a memfd") from None
+            raise Refused(errno.EINVAL, "MEMFD: the fd is not a memfd") from None
         if not seals & fcntl.F_SEAL_SHRINK:
-            raise IoctlError(errno.EINVAL, "MEMFD: seal it with F_SEAL_SHRINK first")
+            raise Refused(errno.EINVAL, "MEMFD: seal it with F_SEAL_SHRINK first")
         st = os.fstat(fd)   # shmem: answered by the kernel
         if not stat.S_ISREG(st.st_mode):
-            raise IoctlError(errno.EINVAL, "MEMFD: the fd is not a regular memfd")
+            raise Refused(errno.EINVAL, "MEMFD: the fd is not a regular memfd")
         if offset + length > st.st_size:
-            raise IoctlError(errno.EFAULT, f"span {offset}+{length} is beyond the memfd's "
-                                           f"{st.st_size} bytes")
+            raise Refused(errno.EFAULT, f"span {offset}+{length} is beyond the memfd's "
+                                        f"{st.st_size} bytes")
     elif kind == abi.MEM_DMABUF:
         if not os.readlink(f"/proc/self/fd/{fd}").startswith("anon_inode:dmabuf"):
-            raise IoctlError(errno.EINVAL, "DMABUF: the fd is not a dma-buf")
+            raise Refused(errno.EINVAL, "DMABUF: the fd is not a dma-buf")
 
 
 def take_memory(pid: int, fd: int, kind: int, offset: int, length: int) -> int:
@@ -109,110 +87,65 @@ def take_memory(pid: int, fd: int, kind: int, offset: int, length: int) -> int:
     return dup
 
 
-class IoctlServer:
-    def __init__(self, shim, link):
-        self.shim = shim
+class ZeroCopyTransfers:
+    """fusefs' `Transfers`, over the link to bluecached."""
+
+    commands = frozenset({abi.IOC_STORE, abi.IOC_LOAD, abi.IOC_QUERY})
+
+    def __init__(self, link):
         self.link = link
-        self.requests = 0
         self.zero_copy_bytes = 0
-        self._nursery: trio.Nursery | None = None
-        ffi = shim.ffi
 
-        @ffi.def_extern()
-        def bc_ioctl_to_python(req, ino, cmd, fh, flags, in_buf, in_bufsz, out_bufsz):
-            # Runs inside pyfuse3's loop, on the trio thread: start a task, never block.
-            try:
-                ctx = shim.lib.fuse_req_ctx(req)
-                request = bytes(ffi.buffer(in_buf, in_bufsz)) if in_bufsz else b""
-                self._nursery.start_soon(self._serve, req, cmd, fh, flags, request, ctx.pid,
-                                         out_bufsz)
-            except BaseException:  # noqa: BLE001 - nothing may escape into C
-                log.exception("ioctl dispatch failed")
-                shim.lib.fuse_reply_err(req, errno.EIO)
-
-    def state(self) -> str:
-        state = self.shim.lib.bc_shim_state()
-        if state == 1:
-            return "ioctl available"
-        version = self.shim.lib.fuse_version()
-        if state == -1:
-            return (f"ioctl unavailable: libfuse {version}'s operations table is newer than "
-                    "the shim's")
-        return (f"ioctl unavailable: libfuse {version} did not call the shim's "
-                "fuse_session_new@FUSE_3.0 (libfuse >= 3.17 needs another approach)")
-
-    async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
-        async with trio.open_nursery() as nursery:
-            self._nursery = nursery
-            task_status.started()
-            await trio.sleep_forever()
-
-    async def _serve(self, req, cmd: int, fh: int, flags: int, request: bytes, pid: int,
-                     out_size: int) -> None:
-        lib = self.shim.lib
-        if cmd not in (abi.IOC_STORE, abi.IOC_LOAD, abi.IOC_QUERY) or flags & FUSE_IOCTL_DIR:
-            # Not ours (e.g. the TCGETS every buffered open() sends), or on a directory.
-            lib.fuse_reply_err(req, errno.ENOTTY)
-            return
-        self.requests += 1
+    async def serve(self, cmd: int, fh: int, request: bytes, pid: int) -> bytes:
         try:
-            if cmd in (abi.IOC_STORE, abi.IOC_LOAD):
-                reply = await self._transfer(cmd, fh, request, pid)
-            else:
-                reply = await self._query(fh, request)
-        except IoctlError as e:
-            log.info("ioctl %#x from pid %d refused: %s", cmd, pid, e.strerror)
-            lib.fuse_reply_err(req, e.errno)
-        except RemoteError as e:
-            # The daemon's errno, except those that mean nothing to the caller.
-            err = errno.EIO if e.errno in (errno.ETIMEDOUT, errno.EPROTO, errno.ECONNRESET) \
-                else e.errno
-            log.info("ioctl %#x from pid %d failed in bluecached: %s", cmd, pid, e.strerror)
-            lib.fuse_reply_err(req, err)
-        except Exception:
-            log.exception("ioctl %#x from pid %d", cmd, pid)
-            lib.fuse_reply_err(req, errno.EIO)
-        else:
-            lib.fuse_reply_ioctl(req, 0, reply, min(len(reply), out_size))
+            if cmd == abi.IOC_QUERY:
+                return await self._query(fh, request)
+            return await self._transfer(cmd, fh, request, pid)
+        except (Refused, RemoteError):
+            raise
+        except OSError as e:
+            # hostd's own calls failing (the region socket, a mapping): no errno the caller
+            # could act on, and a failure fusefs should report as a bug (EIO, logged).
+            raise RuntimeError(f"ioctl {cmd:#x}: {e}") from e
 
     @staticmethod
     def _parse(request: bytes, layout, cls):
         if len(request) != layout.size:
-            raise IoctlError(errno.EINVAL, f"request of {len(request)} bytes, expected "
-                                           f"{layout.size}")
+            raise Refused(errno.EINVAL, f"request of {len(request)} bytes, expected "
+                                        f"{layout.size}")
         parsed = cls.unpack(request)
         if parsed.version != abi.VERSION:
-            raise IoctlError(errno.EINVAL, f"ABI version {parsed.version}, hostd speaks "
-                                           f"{abi.VERSION}")
+            raise Refused(errno.EINVAL, f"ABI version {parsed.version}, hostd speaks "
+                                        f"{abi.VERSION}")
         if parsed.struct_size != layout.size:
-            raise IoctlError(errno.EINVAL, f"struct_size {parsed.struct_size}, expected "
-                                           f"{layout.size}")
+            raise Refused(errno.EINVAL, f"struct_size {parsed.struct_size}, expected "
+                                        f"{layout.size}")
         if any(parsed.reserved):
-            raise IoctlError(errno.EINVAL, "reserved bytes must be zero")
+            raise Refused(errno.EINVAL, "reserved bytes must be zero")
         return parsed
 
     async def _transfer(self, cmd: int, fh: int, request: bytes, pid: int) -> bytes:
         x = self._parse(request, abi.XFER, abi.Xfer)
         store = cmd == abi.IOC_STORE
         if x.flags:
-            raise IoctlError(errno.EINVAL, f"unknown flags {x.flags:#x}")
+            raise Refused(errno.EINVAL, f"unknown flags {x.flags:#x}")
         if x.mem_kind not in abi.MEM_KINDS:
-            raise IoctlError(errno.EINVAL, f"unknown memory kind {x.mem_kind}")
+            raise Refused(errno.EINVAL, f"unknown memory kind {x.mem_kind}")
         if max(x.mem_offset, x.length, x.file_offset) >= MAX_SPAN or \
                 x.mem_offset + x.length >= MAX_SPAN:
-            raise IoctlError(errno.EINVAL, "offset or length out of range")
+            raise Refused(errno.EINVAL, "offset or length out of range")
         if store and x.file_offset:
-            raise IoctlError(errno.EINVAL, "STORE replaces the whole content: file_offset 0")
+            raise Refused(errno.EINVAL, "STORE replaces the whole content: file_offset 0")
         if x.mem_kind == abi.MEM_CUDA_IPC and not any(x.cuda_ipc_handle):
-            raise IoctlError(errno.EINVAL, "CUDA_IPC with an all-zero handle")
+            raise Refused(errno.EINVAL, "CUDA_IPC with an all-zero handle")
         open_file = self.link.open_file(fh)
         if open_file is None:
-            raise IoctlError(errno.EBADF, "not an open file of this mount")
+            raise Refused(errno.EBADF, "not an open file of this mount")
         writable = (open_file.flags & os.O_ACCMODE) in (os.O_WRONLY, os.O_RDWR)
         readable = (open_file.flags & os.O_ACCMODE) in (os.O_RDONLY, os.O_RDWR)
         if store and not writable or not store and not readable:
-            raise IoctlError(errno.EBADF, "the file is not open for " +
-                             ("writing" if store else "reading"))
+            raise Refused(errno.EBADF, "the file is not open for " +
+                          ("writing" if store else "reading"))
         if x.length == 0:
             moved = 0
             if store:
@@ -237,7 +170,7 @@ class IoctlServer:
         if self.link.engine == "doca":
             return await self._move_doca(store, fh, fd, x, kind)
         if self.link.regions_path is None:
-            raise IoctlError(errno.EOPNOTSUPP, "this engine cannot map host memfds")
+            raise Refused(errno.EOPNOTSUPP, "this engine cannot map host memfds")
         # A connection of its own: the region dies with it, whatever happens here.
         channel = await trio.to_thread.run_sync(RegionChannel, self.link.regions_path)
         try:
@@ -291,19 +224,19 @@ class IoctlServer:
             cuda = await trio.to_thread.run_sync(context)
             base, size = await trio.to_thread.run_sync(cuda.open_ipc, x.cuda_ipc_handle)
         except DmaError as e:
-            raise IoctlError(e.errno, e.strerror) from None
+            raise Refused(e.errno, e.strerror) from None
         try:
             if x.mem_offset + x.length > size:
-                raise IoctlError(errno.EFAULT, f"span {x.mem_offset}+{x.length} is outside "
-                                               f"the CUDA allocation of {size} bytes")
+                raise Refused(errno.EFAULT, f"span {x.mem_offset}+{x.length} is outside "
+                                            f"the CUDA allocation of {size} bytes")
             try:
                 exporter = self.link.doca_exporter()
                 export, region_offset, dmabuf = await trio.to_thread.run_sync(
                     _export_device_memory, cuda, exporter, base + x.mem_offset, x.length,
                     not store)
             except (ExportError, DocaSetupError) as e:
-                raise IoctlError(errno.EOPNOTSUPP, f"GPU memory cannot be exported to the "
-                                                   f"DPU here: {e}") from None
+                raise Refused(errno.EOPNOTSUPP, f"GPU memory cannot be exported to the "
+                                                f"DPU here: {e}") from None
             try:
                 r = await self.link.call("import_region", descriptor=export.descriptor,
                                          address=export.address, length=export.length)
@@ -328,9 +261,9 @@ class IoctlServer:
                 mapped = MappedFd(fd, x.mem_offset + x.length)
                 if not store and not mapped.writable:
                     mapped.close()
-                    raise IoctlError(errno.EPERM, "the memfd is sealed against writing: it can "
-                                                  "be the source of a STORE, not the target "
-                                                  "of a LOAD")
+                    raise Refused(errno.EPERM, "the memfd is sealed against writing: it can "
+                                               "be the source of a STORE, not the target "
+                                               "of a LOAD")
                 try:
                     export = exporter.export(mapped.address + x.mem_offset, x.length,
                                              writable=not store)
@@ -338,8 +271,8 @@ class IoctlServer:
                     mapped.close()
                     raise
         except (ExportError, DocaSetupError) as e:
-            raise IoctlError(getattr(e, "errno", None) or errno.EOPNOTSUPP,
-                             getattr(e, "strerror", None) or str(e)) from None
+            raise Refused(getattr(e, "errno", None) or errno.EOPNOTSUPP,
+                          getattr(e, "strerror", None) or str(e)) from None
         try:
             r = await self.link.call("import_region", descriptor=export.descriptor,
                                      address=export.address, length=export.length)

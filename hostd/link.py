@@ -2,7 +2,7 @@
 
 POSIX bytes go through staging slots: 1 MiB pieces of one sealed memfd registered with the
 daemon's DMA engine. A write's bytes reach a slot one of two ways: the kernel reads the request
-straight into it (native/fuse_shim.c, hostd/inplace.py: `write_in_slot`), or, where that cannot
+straight into it (native/fuse_shim.c, fusefs/inplace.py: `write_in_slot`), or, where that cannot
 work, pyfuse3 hands over a copy that `write` copies into a slot (counted in `bytes_copied`);
 either way the daemon is asked to pull it. A read asks the daemon to push into a slot and
 hands the slot to the kernel. With `mount.write_ack: staged` a write is answered once it
@@ -75,7 +75,10 @@ def _write_kills(fh: int, offset: int) -> bool:
 
 
 class Staging:
-    """Fixed 1 MiB slots in one shared region."""
+    """Fixed 1 MiB slots in one shared region (fusefs' `StagingSlots`)."""
+
+    stride = SLOT_STRIDE
+    head = SLOT_HEAD
 
     def __init__(self, slots: int):
         self.slots = slots
@@ -105,6 +108,10 @@ class Staging:
 
     def free(self) -> int:
         return len(self._free)
+
+    def address(self) -> int:
+        """Where slot 0 starts in this process; the map stays put until DaemonLink.close()."""
+        return ctypes.addressof(ctypes.c_char.from_buffer(self.region.map))
 
     @staticmethod
     def offset(slot: int) -> int:
@@ -466,7 +473,7 @@ class DaemonLink:
         return done
 
     def write_in_slot(self, fh: int, offset: int, slot: int, length: int, answer) -> None:
-        """A write the kernel read straight into staging `slot` (hostd/inplace.py). Called
+        """A write the kernel read straight into staging `slot` (fusefs/inplace.py). Called
         inside pyfuse3's request loop, so it never waits: `answer(None or an OSError)` replies
         to the kernel, at once with write_ack staged, after the daemon call otherwise."""
         kill = _write_kills(fh, offset)
