@@ -1,37 +1,32 @@
-"""/etc/bluecache/hostd.yaml: validated with bluecached's schema machinery (same errors)."""
+"""hostd's table: every key of /etc/bluecache/hostd.yaml, on bluecached's schema machinery (so
+its errors, --set and SIGHUP reload work the same way)."""
 
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from bluecached.config import ConfigError as ConfigError  # re-exported for hostd's callers
-from bluecached.config import (
+from bluecached.config import BLUECACHED
+from bluecached.config.schema import ConfigError as ConfigError  # re-exported for hostd's callers
+from bluecached.config.schema import (
     Field,
     Schema,
+    apply_live_changes,
     as_choice,
     as_count,
     as_doca_library,
     as_duration,
     as_endpoint,
+    as_flag,
     as_path,
     as_pci_address,
+    as_text,
     changed_keys,
     load_yaml,
     render_defaults,
+    set_log_level,
 )
 
 DEFAULT_PATH = Path("/etc/bluecache/hostd.yaml")
-
-
-def _as_name(value: Any) -> str:
-    if type(value) is not str or not value or "/" in value:
-        raise ValueError(f"expected a key pair name (no '/'), got {value!r}")
-    return value
-
-
-def _as_bool(value: Any) -> bool:
-    if type(value) is not bool:
-        raise ValueError(f"expected true or false, got {value!r}")
-    return value
 
 
 HOSTD = Schema("HostdConfig", (
@@ -39,17 +34,19 @@ HOSTD = Schema("HostdConfig", (
     "Durations are seconds or a number with a unit: ms, s, m, h, d."
 ), {
     "mountpoint": Field(as_path(), "/mnt/kv-cache", "Where the cache is mounted."),
-    "state_dir": Field(as_path(), "/var/lib/bluecache",
+    # The same directory as bluecached's state_dir (embedded mode), so the same default.
+    "state_dir": Field(as_path(), BLUECACHED.fields["state_dir"].default,
                        "Embedded mode: bluecached's state directory, where its ipc sockets are."),
     "log_level": Field(as_choice("debug", "info", "warning", "error"), "info",
-                       "Log verbosity: debug, info, warning or error.", live=True),
+                       "Log verbosity: debug, info, warning or error.", live=set_log_level),
     "daemon": Schema("DaemonLink", "How to reach bluecached.", {
         "control": Field(as_endpoint(), "ipc",
                          '"ipc" (embedded: the socket in state_dir) or "tcp://DPU:PORT".'),
         "events": Field(as_endpoint(), "ipc", '"ipc" or "tcp://DPU:PORT".'),
         "curve_dir": Field(as_path(), "/etc/bluecache/curve",
                            "tcp only: this host's CURVE key pair and the daemon's public key."),
-        "curve_name": Field(_as_name, "client", "tcp only: this host's key pair name."),
+        "curve_name": Field(as_text(pattern=r"[^/]+", wanted="a key pair name (no '/')"),
+                            "client", "tcp only: this host's key pair name."),
         "request_timeout": Field(as_duration(minimum=0.1), "30s",
                                  "How long an operation waits for bluecached (e.g. while it "
                                  "restarts) before it fails with EIO."),
@@ -65,7 +62,7 @@ HOSTD = Schema("HostdConfig", (
                          "BlueField involved) or the absolute path of a library."),
     }),
     "mount": Schema("MountConfig", "FUSE mount options.", {
-        "allow_other": Field(_as_bool, True,
+        "allow_other": Field(as_flag(), True,
                              "Let other users (vLLM often runs as its own user) use the mount; "
                              "permissions are still checked (default_permissions)."),
         "write_ack": Field(as_choice("staged", "stored"), "staged",
@@ -74,12 +71,12 @@ HOSTD = Schema("HostdConfig", (
                            "reported at close and the file dropped) or stored (once the "
                            "daemon has it; one daemon round trip per 1 MiB on the writer's "
                            "path)."),
-        "receive_in_place": Field(_as_bool, True,
+        "receive_in_place": Field(as_flag(), True,
                                   "Read each FUSE write request straight into a staging slot "
                                   "(the fuse shim), so hostd copies no byte of a POSIX write; "
                                   "false: pyfuse3 hands hostd a copy of the bytes, which hostd "
                                   "copies into a slot (for comparison)."),
-        "reader_thread": Field(_as_bool, True,
+        "reader_thread": Field(as_flag(), True,
                                "Read requests from /dev/fuse in a thread of the fuse shim, "
                                "ahead of the event loop: the kernel's copy of each write's "
                                "bytes then runs beside hostd's Python work, on another core; "
@@ -104,12 +101,21 @@ HOSTD = Schema("HostdConfig", (
 })
 
 
-def load_config(path: Path | None, overrides=None):
-    return load_yaml(path, HOSTD, overrides)
+def load_config(path: Path | None, overrides: Mapping[str, Any] | None = None,
+                assignments: Iterable[str] = ()) -> Any:
+    """Load hostd's config: the file (None: defaults only), then the --set `assignments` and
+    `overrides` over it."""
+    return load_yaml(path, HOSTD, overrides, assignments)
 
 
-def reload_changes(old, new):
+def reload_changes(old: Any, new: Any) -> tuple[dict[str, Any], list[str]]:
     return changed_keys(HOSTD, old, new)
+
+
+def apply_reload(old: Any, new: Any) -> tuple[dict[str, Any], list[str]]:
+    """A SIGHUP reload: applies the live keys that changed (log_level); returns what
+    reload_changes returns."""
+    return apply_live_changes(HOSTD, old, new)
 
 
 def default_yaml() -> str:

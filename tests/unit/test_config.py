@@ -12,16 +12,13 @@ from hypothesis import strategies as st
 from bluecached.config import (
     BLUECACHED,
     ConfigError,
-    Field,
-    Schema,
-    as_size,
     default_yaml,
     load_config,
-    load_yaml,
     parse_duration,
     parse_size,
     reload_changes,
 )
+from bluecached.config.schema import Field, Schema, as_size, load_yaml
 
 GiB, MiB, KiB = 1 << 30, 1 << 20, 1 << 10
 
@@ -398,7 +395,7 @@ def test_default_yaml_comments_every_key():
 def test_schema_reuse(tmp_path):
     schema = Schema("HostdConfig", "hostd.", {
         "buffer": Field(as_size(minimum=MiB), "8MiB", "Staging buffer."),
-        "sub": Schema("Sub", "A section.", {"n": Field(int, 3, "A number.", live=True)}),
+        "sub": Schema("Sub", "A section.", {"n": Field(int, 3, "A number.", live=print)}),
     })
     path = tmp_path / "hostd.yaml"
     path.write_text("buffer: 16MiB\n")

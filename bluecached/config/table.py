@@ -1,0 +1,283 @@
+"""bluecached's table: every key of /etc/bluecache/bluecached.yaml with its parser, default,
+comment and, for the keys a SIGHUP reloads, how the running daemon takes the new value."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+from ..tiers.dram import CHUNK_SIZE
+from .schema import (
+    Field,
+    GiB,
+    KiB,
+    MiB,
+    Schema,
+    apply_live_changes,
+    as_choice,
+    as_count,
+    as_doca_library,
+    as_duration,
+    as_endpoint,
+    as_flag,
+    as_fraction,
+    as_host_port,
+    as_path,
+    as_pci_address,
+    as_size,
+    as_text,
+    changed_keys,
+    format_size,
+    load_yaml,
+    render_defaults,
+    set_log_level,
+)
+
+DEFAULT_PATH = Path("/etc/bluecache/bluecached.yaml")
+
+
+def _watermarks_ordered(tier: Any) -> tuple[str, str] | None:
+    # Eviction runs from high down to low; low >= high would evict forever or never.
+    if tier.low_watermark >= tier.high_watermark:
+        return "low_watermark", (f"expected a value below high_watermark ({tier.high_watermark}), "
+                                 f"got {tier.low_watermark}")
+    return None
+
+
+def _watermarks(high: float, low: float, marks_in: Callable[[Any], Any]) -> dict[str, Field]:
+    """The tier's two watermarks. `marks_in(tiers)` is the running Tiers' Watermarks for this
+    tier, which the evictor reads on every pass: a reload sets the new values there."""
+
+    def set_high(tiers: Any, value: float) -> None:
+        marks_in(tiers).high = value
+
+    def set_low(tiers: Any, value: float) -> None:
+        marks_in(tiers).low = value
+
+    return {
+        "high_watermark": Field(as_fraction(allow_one=True), high,
+                                "Start evicting when the tier is this full (0 < x <= 1).",
+                                live=set_high),
+        "low_watermark": Field(as_fraction(allow_one=False), low,
+                               "Stop evicting at this fill; below high_watermark.", live=set_low),
+    }
+
+
+def _remote_complete(remote: Any) -> tuple[str, str] | None:
+    if remote.enabled and not remote.bucket:
+        return "bucket", "expected a bucket name when the remote tier is enabled, got nothing"
+    if remote.part_size > remote.multipart_threshold:
+        return "part_size", (f"expected at most multipart_threshold "
+                             f"({format_size(remote.multipart_threshold)}), "
+                             f"got {format_size(remote.part_size)}")
+    return None
+
+
+def _staging_holds_a_chunk(doca: Any) -> tuple[str, str] | None:
+    if doca.staging_size < doca.max_chunk:
+        return "staging_size", (f"expected at least max_chunk ({doca.max_chunk} bytes), "
+                                f"got {doca.staging_size}")
+    return None
+
+
+BLUECACHED = Schema("Config", (
+    "bluecached configuration.\n"
+    "\n"
+    "Sizes are bytes or a number with a unit: B, K/KB/KiB, M/MB/MiB, G/GB/GiB, T/TB/TiB.\n"
+    "Every unit is a power of 1024 (4GB == 4GiB); decimals such as 1.5GiB round down.\n"
+    "Durations are seconds or a number with a unit: ms, s, m, h, d.\n"
+    "`systemctl reload bluecached` (SIGHUP) applies the keys marked as reloaded on SIGHUP;\n"
+    "changes to any other key are logged as needing a restart."
+), {
+    "state_dir": Field(as_path(), "/var/lib/bluecache",
+                       "Directory for the daemon's state: its ipc sockets and the loopback "
+                       "engine's dma.sock live here."),
+    "log_level": Field(as_choice("debug", "info", "warning", "error"), "info",
+                       "Log verbosity: debug, info, warning or error.", live=set_log_level),
+    "engine": Field(as_choice("loopback", "doca"), "loopback",
+                    "Data mover: loopback (memfds passed over dma.sock, no DPU needed) or doca "
+                    "(BlueField DMA; see the doca section)."),
+    "doca": Schema("DocaConfig", "The doca engine (engine: doca): DOCA DMA on the BlueField.", {
+        "pci_address": Field(as_pci_address(), "03:00.0",
+                             "The DPU-side PCI function that does the DMA (`lspci` on the DPU; "
+                             "03:00.0 on a BlueField-3 in DPU mode)."),
+        "library": Field(as_doca_library(), "system",
+                         "system (the DOCA SDK in /opt/mellanox/doca), simulator (the DOCA API "
+                         "simulator shipped with bluecache, for tests and embedded mode: no "
+                         "BlueField involved) or the absolute path of a library."),
+        "queue_depth": Field(as_count(minimum=1, maximum=4096), 32,
+                             "DMA tasks in flight at once (capped by the device and by "
+                             "staging_size / max_chunk)."),
+        "staging_size": Field(as_size(minimum=1 * MiB, maximum=4 * GiB), "64MiB",
+                              "DPU memory the engine stages transfers in."),
+        "max_chunk": Field(as_size(minimum=4 * KiB, maximum=1 * GiB), "1MiB",
+                           "Largest single DMA task (also capped by the device's max_buf_size)."),
+        "completion": Field(as_choice("thread", "poll"), "thread",
+                            "How completions are collected: a dedicated progress thread, or a "
+                            "task polling doca_pe_progress in the event loop."),
+    }, check=_staging_holds_a_chunk),
+    "control": Schema("ControlConfig", "Control plane (ZeroMQ).", {
+        "listen": Field(as_endpoint(), "ipc",
+                        'Request socket: "ipc" (a socket in state_dir) or "tcp://HOST:PORT".'),
+        "events": Field(as_endpoint(), "ipc",
+                        'Event publisher socket: "ipc" or "tcp://HOST:PORT".'),
+        "curve_dir": Field(as_path(), "/etc/bluecache/curve",
+                           "Directory with the CURVE keys that secure tcp:// sockets."),
+        "max_message_bytes": Field(as_size(minimum=1 * KiB, maximum=16 * MiB), 65536,
+                                   "Largest control message accepted (1KiB to 16MiB)."),
+        "session_timeout": Field(as_duration(minimum=0.1), "2m",
+                                 "A client silent this long is gone: its open handles and "
+                                 "kernel references are released (hostd pings every second)."),
+    }),
+    "tiers": Schema("TiersConfig", "Storage tiers, fastest first.", {
+        "dram": Schema("DramConfig", "DRAM tier: the first stop for every write.", {
+            "size": Field(as_size(minimum=CHUNK_SIZE), "4GiB",
+                          "Memory reserved for cached chunks (1MiB each; at least one)."),
+            "prefault": Field(as_size(), "256MiB",
+                              "Free memory kept mapped and touched ahead of need (in the "
+                              "background), so requests do not pay page faults for fresh "
+                              "memory; it is committed on top of what the cache holds. The "
+                              "tier's whole size maps it all at start (a DPU); 0 turns it off."),
+            **_watermarks(0.90, 0.75, marks_in=lambda tiers: tiers.dram_marks),
+        }, check=_watermarks_ordered),
+        "nvme": Schema("NvmeConfig", "NVMe tier: segment files on a local filesystem.", {
+            "path": Field(as_path(optional=True), None,
+                          "Directory for segment files and the index; null means "
+                          "<state_dir>/nvme."),
+            "size": Field(as_size(), "64GiB", "Capacity of the tier; 0 disables it."),
+            "segment_size": Field(as_size(minimum=1 * MiB, multiple=4096), "16GiB",
+                                  "Size of each segment file: at least 1MiB, a multiple of "
+                                  "4096. Also the largest file the cache holds (an object is "
+                                  "one extent inside a segment): a write or truncate past it "
+                                  "fails with EFBIG. Fixed once segments are written."),
+            "o_direct": Field(as_choice("auto", "on", "off", booleans=("on", "off")), "auto",
+                              "Bypass the page cache with O_DIRECT: auto (if the filesystem "
+                              "supports it), on or off."),
+            **_watermarks(0.95, 0.85, marks_in=lambda tiers: tiers.nvme_marks),
+        }, check=_watermarks_ordered),
+    }),
+    "write_policy": Field(as_choice("write-behind", "write-through"), "write-behind",
+                          "write-behind acknowledges writes once in DRAM and copies them to NVMe "
+                          "later; write-through acknowledges only once on NVMe."),
+    "durability": Field(as_choice("fsync", "none"), "fsync",
+                        "fsync makes NVMe writes and the journal durable before they count; none "
+                        "skips fsync (faster, but a crash may lose recent objects)."),
+    "tmp_max_age": Field(as_duration(), "1h",
+                         "Orphaned *.tmp files older than this are removed; 0 disables this."),
+    "journal_max_bytes": Field(as_size(minimum=1), "64MiB",
+                               "The index journal is compacted into a snapshot past this size."),
+    "remote": Schema("RemoteConfig", (
+        "Remote tier: an S3 bucket shared by many hosts (Ceph RGW, AWS S3, SeaweedFS ...). Files "
+        "are stored under their path below the mount; see docs/operations.md."), {
+        "enabled": Field(as_flag(), False, "Use the remote tier."),
+        "endpoint": Field(as_text(pattern=r"(https?://[^\s/]+(/[^\s]*)?)?",
+                                  wanted='"" (AWS) or an http:// or https:// URL'), "",
+                          'S3 endpoint URL, e.g. "https://rgw.example:7480"; "" means AWS S3 '
+                          "in `region`."),
+        "bucket": Field(as_text(pattern=r"([a-z0-9][a-z0-9.\-]{1,61}[a-z0-9])?",
+                                wanted="an S3 bucket name (3-63 of a-z 0-9 . -)"), "",
+                        "Bucket (it must exist; bluecached does not create it)."),
+        "prefix": Field(as_text(pattern=r"[^\x00-\x1f]{0,512}",
+                                wanted="a key prefix (printable, at most 512 bytes)"), "",
+                        'Key prefix, e.g. "kv/"; "/" is added if it lacks one.'),
+        "region": Field(as_text(pattern=r"[a-z0-9\-]{1,64}", wanted="a region name"),
+                        "us-east-1", "Region used for signing requests."),
+        "credentials_file": Field(as_path(optional=True), None,
+                                  "AWS-style credentials file ([default] aws_access_key_id, "
+                                  "aws_secret_access_key); it must be mode 0600 or stricter. "
+                                  "null uses botocore's default chain (environment, "
+                                  "instance role)."),
+        "ca_bundle": Field(as_path(optional=True), None,
+                           "PEM file of CA certificates for https endpoints; null uses the "
+                           "system's."),
+        "verify_tls": Field(as_flag(), True, "Check the endpoint's TLS certificate."),
+        "addressing_style": Field(as_choice("auto", "path", "virtual"), "auto",
+                                  "Bucket in the path or in the host name; most non-AWS "
+                                  "endpoints want path."),
+        "sign_payload": Field(as_flag(), False,
+                              "Put a SHA-256 of every uploaded byte in the request signature. "
+                              "Off: uploads say UNSIGNED-PAYLOAD (TLS protects the bytes on "
+                              "https, the CRC32C per chunk is checked on every fetch, and a "
+                              "GET's body is not signed either way); on: for an endpoint whose "
+                              "policy demands signed payloads. It costs a SHA-256 pass over "
+                              "each upload on both ends."),
+        "timeout": Field(as_duration(minimum=0.1), "5s",
+                         "Connect and read timeout of each S3 request; a request that gets no "
+                         "answer marks the tier unreachable."),
+        "admission": Field(as_choice("all", "reread", "age"), "all",
+                           "Which files are uploaded: all (once written), reread (once read "
+                           "again after being written) or age (those still cached "
+                           "admission_age after being written)."),
+        "admission_age": Field(as_duration(), "30s", "The age for admission: age."),
+        "queue_max": Field(as_count(minimum=1), 1024,
+                           "Uploads waiting at most; past it new ones are dropped and counted."),
+        "upload_workers": Field(as_count(minimum=1, maximum=64), 2, "Concurrent uploads."),
+        "part_size": Field(as_size(minimum=5 * MiB, maximum=5 * GiB), "8MiB",
+                           "Part size of multipart uploads and ranged downloads."),
+        "multipart_threshold": Field(as_size(minimum=5 * MiB), "64MiB",
+                                     "Objects larger than this are uploaded in parts and "
+                                     "downloaded in parallel ranges; up to it, one request "
+                                     "streams each (several objects are in flight at once: "
+                                     "upload_workers, prefetch). Lower it for links where one "
+                                     "stream is slow."),
+        "part_concurrency": Field(as_count(minimum=1, maximum=64), 4,
+                                  "Parts moved at once for one object."),
+        "prefetch": Field(as_count(minimum=0, maximum=64), 2,
+                          "Fetches started by a lookup that found a file (a connector checks "
+                          "a prefix of blocks, then reads them), run at once in lookup order; "
+                          "0: a file's bytes are fetched on its first read only."),
+        "prefetch_max_bytes": Field(as_size(), "256MiB",
+                                    "Prefetched bytes not read yet at most (and at most half "
+                                    "of DRAM); a prefetch that would need DRAM the tier cannot "
+                                    "free at once is dropped, and the read fetches instead."),
+        "negative_ttl": Field(as_duration(), "2s",
+                              "A name the remote tier lacked is not asked for again this long."),
+        "retry_interval": Field(as_duration(minimum=0.1), "5s",
+                                "While unreachable, probe the endpoint this often."),
+        "max_bytes": Field(as_size(), 0,
+                           "Remote capacity under the prefix; the oldest objects are deleted "
+                           "past it (down to 90%). 0: unbounded."),
+        "max_age": Field(as_duration(), 0,
+                         "Objects older than this are deleted. 0: kept until max_bytes."),
+        "enforce_interval": Field(as_duration(minimum=1), "1m",
+                                  "How often max_bytes and max_age are enforced (one listing "
+                                  "of the prefix each time)."),
+    }, check=_remote_complete),
+    "metrics": Schema("MetricsConfig", "Prometheus metrics.", {
+        "listen": Field(as_host_port(optional=True), "127.0.0.1:9464",
+                        'HTTP endpoint "HOST:PORT" for /metrics; "" or null disables it.'),
+    }),
+})
+
+Config = BLUECACHED.cls
+
+
+def load_config(path: Path | None, overrides: Mapping[str, Any] | None = None,
+                assignments: Iterable[str] = ()) -> Config:
+    """Load bluecached's config: the file (None: defaults only; a path given must exist, so the
+    daemon passes DEFAULT_PATH only when it exists or the operator named it), then the --set
+    `assignments` and `overrides` over it."""
+    config = load_yaml(path, BLUECACHED, overrides, assignments)
+    if config.tiers.nvme.path is None:  # its default hangs off state_dir, known only now
+        nvme = dataclasses.replace(config.tiers.nvme, path=config.state_dir / "nvme")
+        config = dataclasses.replace(config, tiers=dataclasses.replace(config.tiers, nvme=nvme))
+    return config
+
+
+def reload_changes(old: Config, new: Config) -> tuple[dict[str, Any], list[str]]:
+    """What a SIGHUP reload would find: (live dotted keys that changed -> new value, dotted keys
+    that changed but only take effect after a restart)."""
+    return changed_keys(BLUECACHED, old, new)
+
+
+def apply_reload(old: Config, new: Config, tiers: Any) -> tuple[dict[str, Any], list[str]]:
+    """A SIGHUP reload: applies the live keys that changed to the running `tiers` (and the
+    logger); returns what reload_changes returns."""
+    return apply_live_changes(BLUECACHED, old, new, tiers)
+
+
+def default_yaml() -> str:
+    """bluecached's defaults as the commented YAML shipped as the packaged conffile."""
+    return render_defaults(BLUECACHED)
