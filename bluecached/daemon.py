@@ -31,14 +31,14 @@ from .wire import curve, local_transport, protocol
 from .wire.zmqpump import SocketPump
 
 log = logging.getLogger("bluecached")
-DEFAULT_CONFIG = Path("/etc/bluecache/bluecached.yaml")
 WRITEBACK_WORKERS = 2
 
 
 class Daemon:
-    def __init__(self, cfg, config_path: Path | None):
+    def __init__(self, cfg, config_path: Path | None, assignments: list[str] | None = None):
         self.cfg = cfg
         self.config_path = config_path
+        self.assignments = assignments or []   # --set: a reload applies them over the file again
         # Before anything under the state and NVMe directories is touched (sockets, journal):
         # a second daemon on them must not start. Held for the process's lifetime.
         nvme_dir = Path(cfg.tiers.nvme.path) if cfg.tiers.nvme.size else None
@@ -252,19 +252,12 @@ class Daemon:
 
     def reload(self) -> None:
         try:
-            new = config.load_config(self.config_path)
+            new = config.load_config(self.config_path, assignments=self.assignments)
         except config.ConfigError as e:
             log.error("reload refused, keeping the running configuration: %s", e)
             return
-        live, restart = config.reload_changes(self.cfg, new)
         tiers = self.store.tiers
-        for key, value in live.items():
-            if key == "log_level":
-                logging.getLogger().setLevel(value.upper())
-            elif key.startswith("tiers.dram."):
-                setattr(tiers.dram_marks, key.rsplit(".", 1)[1].split("_")[0], value)
-            elif key.startswith("tiers.nvme."):
-                setattr(tiers.nvme_marks, key.rsplit(".", 1)[1].split("_")[0], value)
+        live, restart = config.apply_reload(self.cfg, new, tiers)
         for key in restart:
             log.warning("reload: %s changed but needs a restart to take effect", key)
         self.cfg = new if not restart else self.cfg
@@ -323,20 +316,24 @@ def _setup_logging(level: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="bluecached", description="bluecache cache daemon")
-    parser.add_argument("--config", type=Path, help=f"config file (default {DEFAULT_CONFIG} "
-                        "if it exists, else built-in defaults)")
+    parser.add_argument("--config", type=Path, help=f"config file (default "
+                        f"{config.DEFAULT_PATH} if it exists, else built-in defaults)")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="set a dotted key over the config file, e.g. tiers.dram.size=1GiB "
+                             "(VALUE as written in the file); repeatable")
     parser.add_argument("--version", action="version", version=f"bluecached {__version__}")
     args = parser.parse_args(argv)
-    path = args.config if args.config else (DEFAULT_CONFIG if DEFAULT_CONFIG.exists() else None)
+    default = config.DEFAULT_PATH if config.DEFAULT_PATH.exists() else None
+    path = args.config if args.config else default
     try:
-        cfg = config.load_config(path)
+        cfg = config.load_config(path, assignments=args.set)
     except config.ConfigError as e:
         print(f"bluecached: {e}", file=sys.stderr)
         return 2
     _setup_logging(cfg.log_level)
     status = 0
     try:
-        daemon = Daemon(cfg, path)
+        daemon = Daemon(cfg, path, args.set)
         trio.run(daemon.run, strict_exception_groups=True)
     except* StartupError as group:
         for e in group.exceptions:
