@@ -126,7 +126,7 @@ def _no_answer(control: str, waited: float) -> str:
             f"{waited:g}s): is it hung, or still loading its index?")
 
 
-async def run(cfg, path: Path | None, notifier) -> None:
+async def run(cfg, path: Path | None, notifier, assignments: list[str] | None = None) -> None:
     control, events, regions, keys = _endpoints(cfg)
     mountpoint = Path(cfg.mountpoint)
     problem = fuse_device_problem()
@@ -215,7 +215,7 @@ async def run(cfg, path: Path | None, notifier) -> None:
             try:
                 async for signum in signals:
                     if signum == signal.SIGHUP:
-                        _reload_log_level(path)
+                        cfg = _reload(cfg, path, assignments or [])
                         continue
                     log.info("%s: unmounting %s", signal.Signals(signum).name, mountpoint)
                     notifier.notify("STOPPING=1")
@@ -263,12 +263,18 @@ def _prepare_mountpoint(mountpoint: Path) -> None:
     guard_bare(mountpoint)    # nothing written under the mount while it is not there
 
 
-def _reload_log_level(path: Path | None) -> None:
+def _reload(cfg, path: Path | None, assignments: list[str]):
+    """SIGHUP: the file and --set again; applies what the table says can change live (the log
+    level). Returns the configuration now running."""
     try:
-        new = config.load_config(path)
-        logging.getLogger().setLevel(new.log_level.upper())
+        new = config.load_config(path, assignments=assignments)
     except config.ConfigError as e:
         log.error("reload refused: %s", e)
+        return cfg
+    _, restart = config.apply_reload(cfg, new)
+    for key in restart:
+        log.warning("reload: %s changed but needs a restart to take effect", key)
+    return cfg if restart else new
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -276,10 +282,13 @@ def main(argv: list[str] | None = None) -> int:
                                      description="Mount the bluecache KV cache.")
     parser.add_argument("--config", type=Path,
                         help=f"config file (default {config.DEFAULT_PATH} if it exists)")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="set a dotted key over the config file, e.g. mount.read_ahead=8 "
+                             "(VALUE as written in the file); repeatable")
     args = parser.parse_args(argv)
     path = args.config or (config.DEFAULT_PATH if config.DEFAULT_PATH.exists() else None)
     try:
-        cfg = config.load_config(path)
+        cfg = config.load_config(path, assignments=args.set)
     except config.ConfigError as e:
         print(f"bluecache-hostd: {e}", file=sys.stderr)
         return 2
@@ -291,7 +300,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("pyfuse3").addFilter(answer_to_a_gone_connection)
     status = 0
     try:
-        trio.run(run, cfg, path, Notifier(), strict_exception_groups=True)
+        trio.run(run, cfg, path, Notifier(), args.set, strict_exception_groups=True)
     except* StartupError as group:
         for e in group.exceptions:
             log.error("cannot start: %s", e)
