@@ -1,6 +1,7 @@
-"""bluecached.config: defaults, every error message, overrides, reload split, rendered conffile."""
+"""bluecached.config: defaults, every error message, overrides and --set, reload, conffile."""
 
 import dataclasses
+import logging
 import string
 from pathlib import Path
 
@@ -9,9 +10,11 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from bluecached import config as bluecached_config
 from bluecached.config import (
     BLUECACHED,
     ConfigError,
+    apply_reload,
     default_yaml,
     load_config,
     parse_duration,
@@ -19,6 +22,7 @@ from bluecached.config import (
     reload_changes,
 )
 from bluecached.config.schema import Field, Schema, as_size, load_yaml
+from bluecached.tiers.placement import Watermarks
 
 GiB, MiB, KiB = 1 << 30, 1 << 20, 1 << 10
 
@@ -346,6 +350,71 @@ def test_overrides_do_not_leak_through_yaml_aliases(tmp_path):
     assert (c.tiers.dram.high_watermark, c.tiers.nvme.high_watermark) == (0.9, 0.8)
 
 
+# -- --set KEY=VALUE ---------------------------------------------------------------------------
+
+
+def test_set_applies_over_the_file_with_values_read_as_yaml(tmp_path):
+    path = write(tmp_path, "tiers: {dram: {size: 2GiB}, nvme: {o_direct: on}}\nlog_level: debug\n")
+    c = load_config(path, assignments=[
+        "tiers.dram.size=1GiB", "tiers.nvme.o_direct=off", "tiers.dram.low_watermark=0.5",
+        "metrics.listen=", "control.max_message_bytes=65536", "tiers.nvme.path = null",
+        "remote.prefix='kv/'", "state_dir=/srv/bc"])
+    assert c.tiers.dram.size == GiB
+    assert c.tiers.nvme.o_direct == "off"       # YAML's off, as in the file
+    assert c.tiers.dram.low_watermark == 0.5
+    assert c.metrics.listen is None             # an empty value is null: disabled
+    assert c.control.max_message_bytes == 65536
+    assert c.tiers.nvme.path == Path("/srv/bc/nvme")
+    assert c.remote.prefix == "kv/"
+    assert c.log_level == "debug"  # from the file, untouched
+
+
+def test_set_without_a_file_and_the_last_assignment_wins():
+    c = load_config(None, assignments=["tiers.dram.size=8GiB", "tiers.dram.size=1.5GiB"])
+    assert c.tiers.dram.size == 3 * GiB // 2
+    assert load_config(None, assignments=[]) == load_config(None)
+
+
+@pytest.mark.parametrize(("assignment", "expected"), [
+    ("tiers.dram.size=lots",
+     "--set: tiers.dram.size: expected a size such as 4GiB or 512MiB, got 'lots'"),
+    ("tiers.dram.sise=1GiB",
+     "--set: unknown key tiers.dram.sise "
+     "(known keys here: size, prefault, high_watermark, low_watermark)"),
+    ("tier.dram.size=1GiB", "--set: unknown key tier.dram.size (known keys here: state_dir,"),
+    ("tiers.dram=1GiB", "--set: tiers.dram: tiers.dram is a section, not a setting"),
+    ("tiers.dram.low_watermark=0.95", "--set: tiers.dram.low_watermark: expected a value below"),
+    ("tiers.dram.size", "--set: expected KEY=VALUE such as tiers.dram.size=1GiB, "
+                        "got 'tiers.dram.size'"),
+    ("=1GiB", "--set: expected KEY=VALUE"),
+    ("log_level=[debug", "--set: log_level: line 1, column 7: invalid YAML: "),
+    ("tiers.nvme.o_direct=yes please", "--set: tiers.nvme.o_direct: expected one of auto, on, off"),
+])
+def test_bad_set_names_the_option_and_the_key(assignment, expected):
+    with pytest.raises(ConfigError) as info:
+        load_config(None, assignments=[assignment])
+    assert str(info.value).startswith(expected)
+    assert info.value.source == "--set"
+
+
+def test_file_errors_still_name_the_file_with_set(tmp_path):
+    path = write(tmp_path, "tiers: {dram: {size: lots}}\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(path, assignments=["log_level=debug"])
+    assert str(info.value).startswith(f"{path}: tiers.dram.size:")
+
+
+def test_set_on_hostd():
+    from hostd import config as hostd_config
+    c = hostd_config.load_config(None, assignments=["mount.read_ahead=8",
+                                                    "mount.allow_other=false"])
+    assert (c.mount.read_ahead, c.mount.allow_other) == (8, False)
+    with pytest.raises(ConfigError, match=r"^--set: mount\.read_ahead: expected a whole number"):
+        hostd_config.load_config(None, assignments=["mount.read_ahead=lots"])
+    with pytest.raises(ConfigError, match=r"^--set: unknown key mount\.readahead "):
+        hostd_config.load_config(None, assignments=["mount.readahead=8"])
+
+
 # -- reload ------------------------------------------------------------------------------------
 
 
@@ -365,6 +434,58 @@ def test_reload_changes_splits_live_from_restart():
 
 def test_reload_changes_nothing_changed():
     assert reload_changes(load_config(None), load_config(None)) == ({}, [])
+
+
+class RunningTiers:
+    """What a reload applies the watermarks to: the Tiers' two Watermarks."""
+
+    def __init__(self):
+        self.dram_marks = Watermarks(0.90, 0.75)
+        self.nvme_marks = Watermarks(0.95, 0.85)
+
+
+def test_apply_reload_sets_the_live_keys_where_the_table_says():
+    tiers = RunningTiers()
+    old = load_config(None)
+    new = load_config(None, {"tiers.dram.high_watermark": 0.8, "tiers.nvme.low_watermark": 0.5,
+                             "tiers.dram.size": "8GiB"})
+    live, restart = apply_reload(old, new, tiers)
+    assert live == {"tiers.dram.high_watermark": 0.8, "tiers.nvme.low_watermark": 0.5}
+    assert restart == ["tiers.dram.size"]
+    assert (tiers.dram_marks, tiers.nvme_marks) == (Watermarks(0.8, 0.75), Watermarks(0.95, 0.5))
+
+
+def test_apply_reload_sets_the_log_level_of_either_daemon():
+    from hostd import config as hostd_config
+    root = logging.getLogger()
+    level = root.level
+    try:
+        for module, target in ((bluecached_config, RunningTiers()), (hostd_config, None)):
+            root.setLevel(logging.INFO)
+            old = module.load_config(None)
+            new = module.load_config(None, assignments=["log_level=error"])
+            args = (old, new, target) if target else (old, new)
+            assert module.apply_reload(*args) == ({"log_level": "error"}, [])
+            assert root.level == logging.ERROR
+    finally:
+        root.setLevel(level)
+
+
+def test_every_live_key_says_how_it_is_applied():
+    from hostd import config as hostd_config
+
+    def live_keys(schema, prefix=""):
+        for name, spec in schema.fields.items():
+            if isinstance(spec, Schema):
+                yield from live_keys(spec, f"{prefix}{name}.")
+            elif spec.live is not None:
+                assert callable(spec.live), prefix + name
+                yield prefix + name
+
+    assert list(live_keys(BLUECACHED)) == [
+        "log_level", "tiers.dram.high_watermark", "tiers.dram.low_watermark",
+        "tiers.nvme.high_watermark", "tiers.nvme.low_watermark"]
+    assert list(live_keys(hostd_config.HOSTD)) == ["log_level"]
 
 
 # -- rendered conffile -------------------------------------------------------------------------
@@ -462,6 +583,17 @@ def test_garbage_only_ever_raises_config_error(tmp_path_factory, text):
 def test_garbage_overrides_only_ever_raise_config_error(key, value):
     try:
         load_config(None, {key: value})
+    except ConfigError:
+        pass
+
+
+@settings(max_examples=200, deadline=None)
+@given(key=st.sampled_from(["tiers.dram.size=", "log_level=", "tiers=", "nope.x=", "",
+                            "metrics.listen=", "="]),
+       value=_yamlish | st.text(max_size=20))
+def test_garbage_set_only_ever_raises_config_error(key, value):
+    try:
+        load_config(None, assignments=[key + value])
     except ConfigError:
         pass
 
