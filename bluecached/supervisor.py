@@ -11,6 +11,7 @@ import ctypes
 import os
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import threading
@@ -47,10 +48,22 @@ def _die_with_parent(parent: int):
     return preexec
 
 
+# Python names neither; this is their value in asm-generic (x86-64, arm64).
+SO_TIMESTAMPNS = getattr(socket, "SO_TIMESTAMPNS", 35)
+SCM_TIMESTAMPNS = SO_TIMESTAMPNS
+TIMESPEC = struct.Struct("qq")
+
+
 class Supervised:
     """One daemon process. `log`: a file its stderr is appended to (stdout discarded); None
     leaves both to this process's. `new_session`: a terminal's Ctrl-C reaches only the
-    supervisor, which stops its children in order. `die_with_parent`: see _die_with_parent."""
+    supervisor, which stops its children in order. `die_with_parent`: see _die_with_parent.
+
+    The notify socket is read only in calls from the caller's thread, never in a thread of its
+    own: the kernel hands a child on to each next thread of a dying parent, sending the
+    die_with_parent SIGTERM each time, and a second SIGTERM kills a daemon that is already
+    stopping. The kernel stamps each message as it arrives, so a late read still gives the
+    right time."""
 
     def __init__(self, name: str, argv: list[str], notify_path: Path, *,
                  log: Path | None = None, env: dict | None = None, cwd: str | None = None,
@@ -64,30 +77,23 @@ class Supervised:
         self.new_session = new_session
         self.die_with_parent = die_with_parent
         self.proc: subprocess.Popen | None = None
-        self.notes: list[tuple[float, str]] = []   # (time.perf_counter(), message) as received
+        self.started_at = 0.0     # time.time() just before the process was started
+        self.notes: list[tuple[float, str]] = []   # (time.time() it arrived, message)
         self.killed = False     # the last stop had to SIGKILL it
-        self._ready = threading.Event()
-        self._closing = threading.Event()
         self._notify: socket.socket | None = None
-        self._reader: threading.Thread | None = None
 
     def start(self) -> "Supervised":
         self.notes = []
-        self._ready.clear()
-        self._closing.clear()
         with contextlib.suppress(FileNotFoundError):
             self.notify_path.unlink()
         self._notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         self._notify.bind(str(self.notify_path))
-        self._notify.settimeout(0.1)
-        # Read as they come, with the time they came: a bench times READY=1, and a test reads
-        # STOPPING=1 or WATCHDOG=1 after the fact.
-        self._reader = threading.Thread(target=self._read_notify, name=f"{self.name}-notify",
-                                        daemon=True)
-        self._reader.start()
+        with contextlib.suppress(OSError):
+            self._notify.setsockopt(socket.SOL_SOCKET, SO_TIMESTAMPNS, 1)
         env = dict(os.environ, NOTIFY_SOCKET=str(self.notify_path), PYTHONUNBUFFERED="1",
                    **self.env)
         preexec = _die_with_parent(os.getpid()) if self.die_with_parent else None
+        self.started_at = time.time()
         try:
             with open(self.log, "ab") if self.log else contextlib.nullcontext() as log:
                 self.proc = subprocess.Popen(
@@ -98,20 +104,28 @@ class Supervised:
             raise
         return self
 
-    def _read_notify(self) -> None:
-        while True:
-            try:
-                data = self._notify.recv(4096)
-            except TimeoutError:
-                if self._closing.is_set():   # the socket is drained: nothing more will come
-                    return
-                continue
-            except OSError:
-                return
-            message = data.decode(errors="replace")
-            self.notes.append((time.perf_counter(), message))
-            if "READY=1" in message:
-                self._ready.set()
+    def receive(self, timeout: float) -> bool:
+        """Reads one notify message, waiting at most `timeout` for it; False if none came."""
+        if self._notify is None:
+            return False
+        self._notify.settimeout(timeout)
+        try:
+            data, ancillary, _, _ = self._notify.recvmsg(4096, socket.CMSG_SPACE(TIMESPEC.size))
+        except (TimeoutError, BlockingIOError):
+            return False
+        when = time.time()
+        for level, kind, payload in ancillary:
+            if level == socket.SOL_SOCKET and kind == SCM_TIMESTAMPNS:
+                seconds, nanoseconds = TIMESPEC.unpack(payload[:TIMESPEC.size])
+                when = seconds + nanoseconds / 1e9
+        self.notes.append((when, data.decode(errors="replace")))
+        return True
+
+    def drain(self, quiet: float = 0.05) -> list[str]:
+        """Reads messages until none came for `quiet` seconds; all messages so far."""
+        while self.receive(quiet):
+            pass
+        return self.messages
 
     @property
     def messages(self) -> list[str]:
@@ -124,16 +138,25 @@ class Supervised:
     def running(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
 
+    def ready_at(self) -> float | None:
+        """When READY=1 came (time.time()), if it came."""
+        return next((t for t, message in self.notes if "READY=1" in message), None)
+
     def wait_ready(self, timeout: float) -> float:
-        """Waits for READY=1; returns when it came (time.perf_counter())."""
+        """Waits for READY=1; returns when it came (time.time())."""
         deadline = time.monotonic() + timeout
-        while not self._ready.wait(0.02):
-            if self.proc.poll() is not None and not self._ready.wait(0.2):
-                raise NotReady(f"{self.name} exited with status {self.proc.returncode} before "
-                               f"it was ready")
-            if time.monotonic() > deadline:
+        while self.ready_at() is None:
+            if self.proc.poll() is not None:
+                self.drain(0)      # it may have said READY=1 just before it exited
+                if self.ready_at() is None:
+                    raise NotReady(f"{self.name} exited with status {self.proc.returncode} "
+                                   f"before it was ready")
+                break
+            left = deadline - time.monotonic()
+            if left <= 0:
                 raise NotReady(f"{self.name} was not ready within {timeout:g}s")
-        return next(t for t, message in self.notes if "READY=1" in message)
+            self.receive(min(left, 0.2))
+        return self.ready_at()
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 60) -> int | None:
         """Sends `sig` (if it still runs) and waits; SIGKILL once `timeout` has passed (then
@@ -156,11 +179,10 @@ class Supervised:
         return self.proc.returncode
 
     def _close_notify(self) -> None:
+        """Keeps what the process said until it stopped (STOPPING=1), then lets the socket go."""
         if self._notify is None:
             return
-        self._closing.set()
-        if self._reader is not None:
-            self._reader.join()
+        self.drain(0)
         self._notify.close()
         self._notify = None
         with contextlib.suppress(FileNotFoundError):
