@@ -31,7 +31,11 @@ DEFAULT_PATH = Path("/etc/bluecache/hostd.yaml")
 
 HOSTD = Schema("HostdConfig", (
     "hostd configuration: the FUSE mount at /mnt/kv-cache and its link to bluecached.\n"
-    "Durations are seconds or a number with a unit: ms, s, m, h, d."
+    "Durations are seconds or a number with a unit: ms, s, m, h, d.\n"
+    "`systemctl reload bluecache-hostd` (SIGHUP) applies the keys marked as reloaded on SIGHUP;\n"
+    "changes to any other key are logged as needing a restart.\n"
+    "Any key can also be set over this file on the command line, the value written as here:\n"
+    "bluecache-hostd --set mount.read_ahead=8 --set mount.allow_other=false"
 ), {
     "mountpoint": Field(as_path(), "/mnt/kv-cache", "Where the cache is mounted."),
     # The same directory as bluecached's state_dir (embedded mode), so the same default.

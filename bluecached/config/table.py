@@ -89,7 +89,9 @@ BLUECACHED = Schema("Config", (
     "Every unit is a power of 1024 (4GB == 4GiB); decimals such as 1.5GiB round down.\n"
     "Durations are seconds or a number with a unit: ms, s, m, h, d.\n"
     "`systemctl reload bluecached` (SIGHUP) applies the keys marked as reloaded on SIGHUP;\n"
-    "changes to any other key are logged as needing a restart."
+    "changes to any other key are logged as needing a restart.\n"
+    "Any key can also be set over this file on the command line, the value written as here:\n"
+    "bluecached --set tiers.dram.size=8GiB --set tiers.nvme.o_direct=off"
 ), {
     "state_dir": Field(as_path(), "/var/lib/bluecache",
                        "Directory for the daemon's state: its ipc sockets and the loopback "
