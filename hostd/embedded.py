@@ -1,20 +1,19 @@
 """`bluecachectl up`: embedded mode in the foreground — bluecached and hostd on this machine,
 the cache mounted and ready for a connector.
 
-Each daemon is started as its own process (as systemd would) with a config written into the
-state dir, and reports READY=1 on a notify socket this supervisor listens on. SIGINT/SIGTERM
+Each daemon is started as its own process (as systemd would) with its settings given as
+--set options, and reports READY=1 on a notify socket this supervisor listens on. SIGINT/SIGTERM
 stop hostd first (unmount), then bluecached (write-behind and index checkpoint). If the
 supervisor itself dies (SIGKILL included), the kernel sends both children SIGTERM.
 """
 
+import json
 import os
 import signal
 import socket
 import sys
 import time
 from pathlib import Path
-
-import yaml
 
 from bluecached import statelock
 from bluecached.config import ConfigError, load_config, parse_size
@@ -35,11 +34,16 @@ def _notify_systemd(message: str) -> None:
             s.send(message.encode())
 
 
-def _daemon(name: str, module: str, config: Path, state: Path) -> Supervised:
-    """Its own session (a terminal's Ctrl-C reaches only `up`, which stops the daemons in
-    order), but it dies with `up`; its log goes to `up`'s stderr."""
-    return Supervised(name, python_module(module, "--config", str(config)),
-                      state / f"up-{name}.notify", new_session=True, die_with_parent=True)
+def _daemon(name: str, module: str, settings: dict, state: Path) -> Supervised:
+    """`settings` (dotted keys) are the daemon's whole config: --config /dev/null keeps the
+    packaged /etc/bluecache files out of it. Its own session (a terminal's Ctrl-C reaches only
+    `up`, which stops the daemons in order), but it dies with `up`; its log goes to `up`'s
+    stderr."""
+    argv = python_module(module, "--config", os.devnull)
+    for key, value in settings.items():
+        argv += ["--set", f"{key}={json.dumps(value)}"]   # JSON is YAML, quoted where needed
+    return Supervised(name, argv, state / f"up-{name}.notify", new_session=True,
+                      die_with_parent=True)
 
 
 DEFAULT_METRICS = "127.0.0.1:9464"
@@ -51,8 +55,8 @@ OPTIONS = {"state_dir": "--state-dir", "metrics.listen": "--metrics",
 
 def _prepare(mount: str, state: Path, cfg) -> None:
     """Checks what `up` can check before it starts anything, so that a mountpoint or state
-    directory in the wrong shape, or one in use, is one line (PathProblem) and nothing of a
-    running `up` is overwritten: its state directory holds the daemons' configs."""
+    directory in the wrong shape, or one in use, is one line (PathProblem), and a second `up`
+    on the state directory of a running one stops before it starts anything."""
     if not mounts_at(Path(mount).absolute()):   # a mount there is hostd's to judge
         problem = not_a_directory(Path(mount), "mountpoint")
         if problem:
@@ -89,25 +93,20 @@ def up(mount: str, state_dir: str, dram_size: str | None, nvme_size: str | None,
         return 2
     try:
         _prepare(mount, state, cfg)
-        bluecached_yaml = state / "bluecached.yaml"
-        bluecached_yaml.write_text(yaml.safe_dump({
-            "state_dir": str(state), "tiers": {
-                "dram": {"size": cfg.tiers.dram.size},
-                "nvme": {"path": str(cfg.tiers.nvme.path), "size": cfg.tiers.nvme.size,
-                         "segment_size": min(cfg.tiers.nvme.segment_size,
-                                             max(cfg.tiers.nvme.size, 1 << 20))}},
-            "metrics": {"listen": cfg.metrics.listen}}))
-        hostd_yaml = state / "hostd.yaml"
-        hostd_yaml.write_text(yaml.safe_dump({
-            "mountpoint": str(Path(mount).resolve()), "state_dir": str(state),
-            "mount": {"allow_other": allow_other}}))
     except PathProblem as e:
         print(f"bluecachectl up: {e}", file=sys.stderr)
         return 1
     except OSError as e:
-        print(f"bluecachectl up: cannot write the daemons' configs: {describe(e)}",
-              file=sys.stderr)
+        print(f"bluecachectl up: {state}: {describe(e)}", file=sys.stderr)
         return 1
+    nvme = cfg.tiers.nvme
+    bluecached_settings = {
+        "state_dir": str(state), "tiers.dram.size": cfg.tiers.dram.size,
+        "tiers.nvme.path": str(nvme.path), "tiers.nvme.size": nvme.size,
+        "tiers.nvme.segment_size": min(nvme.segment_size, max(nvme.size, 1 << 20)),
+        "metrics.listen": cfg.metrics.listen}
+    hostd_settings = {"mountpoint": str(Path(mount).resolve()), "state_dir": str(state),
+                      "mount.allow_other": allow_other}
     children: list[Supervised] = []
     stopping = []
 
@@ -118,10 +117,10 @@ def up(mount: str, state_dir: str, dram_size: str | None, nvme_size: str | None,
     signal.signal(signal.SIGTERM, on_signal)
     status = 0
     try:
-        daemon = _daemon("bluecached", "bluecached.daemon", bluecached_yaml, state)
+        daemon = _daemon("bluecached", "bluecached.daemon", bluecached_settings, state)
         children.append(daemon)
         daemon.start().wait_ready(120)
-        hostd = _daemon("hostd", "hostd.daemon", hostd_yaml, state)
+        hostd = _daemon("hostd", "hostd.daemon", hostd_settings, state)
         children.append(hostd)
         hostd.start().wait_ready(60)
         gib = 1 << 30
