@@ -1,12 +1,14 @@
 """The composition root: the store, its tiers and the remote tier built from a config.
 
-The daemon and the tests build a store the same way, here, so what runs is what is tested.
+The daemon and the tests build a store the same way, here, so what runs is what is tested:
+the daemon from its config (`build_store`), the tests and benches from sizes they choose
+(`assemble_store`, which `build_store` calls).
 """
 
 from pathlib import Path
 
 from .paths import describe
-from .store import Store
+from .store import RemoteView, Store
 from .tiers.dram import DramPool
 from .tiers.journal import Journal
 from .tiers.nvme import SegmentStore
@@ -18,32 +20,54 @@ class StartupError(Exception):
 
 
 def build_store(cfg, engine) -> Store:
-    nvme_cfg = cfg.tiers.nvme
-    durable = cfg.durability == "fsync"
-    nvme = journal = None
-    if nvme_cfg.size:
-        try:
-            nvme = SegmentStore(Path(nvme_cfg.path), nvme_cfg.size, nvme_cfg.segment_size,
-                                nvme_cfg.o_direct, durable)
-            journal = Journal(Path(nvme_cfg.path), durable)
-        except OSError as e:
-            raise StartupError(f"NVMe tier at {nvme_cfg.path}: {describe(e)}") from None
-    dram = cfg.tiers.dram
-    pool = DramPool(dram.size)
-    pool.before_unmap = engine.forget_host_memory
-    tiers = Tiers(pool, Watermarks(dram.high_watermark, dram.low_watermark),
-                  nvme, Watermarks(nvme_cfg.high_watermark, nvme_cfg.low_watermark),
-                  journal, cfg.write_policy == "write-through", cfg.journal_max_bytes,
-                  remove_object=lambda node, reason: store.remove_object(node, reason))
-    store = Store(tiers, engine, tmp_max_age=cfg.tmp_max_age)
+    dram, nvme = cfg.tiers.dram, cfg.tiers.nvme
+    store = assemble_store(
+        engine, dram_size=dram.size, dram_marks=(dram.high_watermark, dram.low_watermark),
+        nvme_path=nvme.path, nvme_size=nvme.size, segment_size=nvme.segment_size,
+        nvme_marks=(nvme.high_watermark, nvme.low_watermark), o_direct=nvme.o_direct,
+        durable=cfg.durability == "fsync", write_through=cfg.write_policy == "write-through",
+        journal_max_bytes=cfg.journal_max_bytes, tmp_max_age=cfg.tmp_max_age)
     if cfg.remote.enabled:
-        store.attach_remote(build_remote(cfg.remote))
+        add_remote_tier(store, cfg.remote)
     return store
 
 
-def build_remote(rc):
-    """The remote tier from the `remote:` section; problems are StartupErrors."""
-    from .tiers.remote import RemotePolicy, RemoteTier
+def assemble_store(engine, *, dram_size: int, dram_marks: tuple[float, float],
+                   nvme_path, nvme_size: int, segment_size: int,
+                   nvme_marks: tuple[float, float], o_direct: str, durable: bool,
+                   write_through: bool, journal_max_bytes: int, tmp_max_age: float) -> Store:
+    """A store over a DRAM pool and (with `nvme_size`) an NVMe tier and its journal at
+    `nvme_path`; not loaded yet (`Store.load`), publishing nothing yet (`Store.publish`)."""
+    nvme = journal = None
+    if nvme_size:
+        nvme_path = Path(nvme_path)
+        try:
+            nvme = SegmentStore(nvme_path, nvme_size, segment_size, o_direct, durable)
+            journal = Journal(nvme_path, durable)
+        except OSError as e:
+            raise StartupError(f"NVMe tier at {nvme_path}: {describe(e)}") from None
+    pool = DramPool(dram_size)
+    pool.before_unmap = engine.forget_host_memory
+    # the tiers' evictor removes files through the store, which is built after them
+    tiers = Tiers(pool, Watermarks(*dram_marks), nvme, Watermarks(*nvme_marks), journal,
+                  write_through, journal_max_bytes,
+                  remove_object=lambda node, reason: store.remove_object(node, reason))
+    store = Store(tiers, engine, tmp_max_age=tmp_max_age)
+    return store
+
+
+def add_remote_tier(store: Store, rc):
+    """The remote tier from the `remote:` section, below the store's local tiers; the store
+    then asks it on local misses. Problems are StartupErrors."""
+    from .tiers.remote import RemoteTier
+    bucket = open_bucket(rc)
+    store.remote = RemoteTier(bucket, remote_policy(rc), store.tiers, RemoteView(store))
+    return store.remote
+
+
+def open_bucket(rc):
+    """The S3 store of the `remote:` section (credentials read, client made, no request
+    sent); problems are StartupErrors."""
     try:
         from .tiers import s3
     except ImportError as e:   # boto3 is the package's recommendation, not a hard dependency
@@ -63,14 +87,17 @@ def build_remote(rc):
         raise StartupError(f"remote tier: {e} (install python3-boto3)") from None
     except ValueError as e:   # botocore's complaint about an endpoint or a setting
         raise StartupError(f"remote tier: {e}") from None
+    return s3.S3Store(client, rc.bucket, rc.part_size, rc.multipart_threshold,
+                      rc.part_concurrency)
+
+
+def remote_policy(rc):
+    from .tiers.remote import RemotePolicy
     prefix = rc.prefix if not rc.prefix or rc.prefix.endswith("/") else rc.prefix + "/"
-    policy = RemotePolicy(
+    return RemotePolicy(
         prefix=prefix, admission=rc.admission, admission_age=rc.admission_age,
         queue_max=rc.queue_max, upload_workers=rc.upload_workers,
         negative_ttl=rc.negative_ttl, retry_interval=rc.retry_interval,
         max_bytes=rc.max_bytes, max_age=rc.max_age, enforce_interval=rc.enforce_interval,
         prefetch=rc.prefetch, prefetch_max_bytes=rc.prefetch_max_bytes,
         describe={"endpoint": rc.endpoint or f"AWS S3 ({rc.region})", "bucket": rc.bucket})
-    store = s3.S3Store(client, rc.bucket, rc.part_size, rc.multipart_threshold,
-                       rc.part_concurrency)
-    return RemoteTier(store, policy)

@@ -57,16 +57,12 @@ class Store:
         self._next_fh = 1
         self.tmp_inos: set[int] = set()
         self.logical_bytes = 0
-        self.remote = None   # a RemoteTier when the remote tier is configured
+        self.remote = None   # a RemoteTier when configured (compose.add_remote_tier sets it)
         # An object lives in one NVMe extent, which never crosses a segment: a file larger than
         # a segment could never be written behind, so it is refused when it would grow past
         # one (EFBIG, as a file system refuses a file past its maximum size), not later.
         largest = tiers.nvme.max_extent if tiers.nvme is not None else MAX_FILE_SIZE
         self.max_file_size = min(MAX_FILE_SIZE, largest)
-
-    def attach_remote(self, remote) -> None:
-        self.remote = remote
-        remote.store = self
 
     # -- start and stop --------------------------------------------------------------------
 
@@ -783,3 +779,36 @@ class Store:
 
     def root(self) -> Inode:
         return self.ns.inodes[ROOT_INO]
+
+
+class RemoteView:
+    """The store as the remote tier sees it (bluecached.tiers.remote.StoreView): the few
+    operations it may ask for, so it never reaches into the namespace or the tiers."""
+
+    def __init__(self, store: Store):
+        self._store = store
+
+    def lookup(self, parent: int, name: bytes) -> Inode:
+        return self._store.ns.lookup(parent, name)
+
+    def directory_path(self, ino: int) -> bytes:
+        ns = self._store.ns
+        return ns.path_of(ns.directory(ino))
+
+    def path_of(self, node: Inode) -> bytes:
+        return self._store.ns.path_of(node)
+
+    def holds(self, node: Inode) -> bool:
+        return self._store.ns.inodes.get(node.ino) is node
+
+    def is_temporary(self, node: Inode) -> bool:
+        return node.ino in self._store.tmp_inos
+
+    def add_directory(self, parent: int, name: bytes) -> Inode:
+        return self._store.mkdir_like_parent(parent, name)
+
+    def add_placeholder(self, parent: int, name: bytes, info) -> Inode:
+        return self._store.add_placeholder(parent, name, info)
+
+    def remove_object(self, node: Inode, reason: str) -> None:
+        self._store.remove_object(node, reason)

@@ -18,6 +18,10 @@ does, all on the event loop with the blocking S3 calls in worker threads (blueca
 - capacity: a periodic listing deletes objects past `max_age`, then the oldest past
   `max_bytes`. Local eviction never deletes remote copies; unlink does (it is a POSIX unlink
   of a shared file).
+
+The tier sees the store above it only as a `StoreView` and the local tiers as `Tiers`, both
+given at construction (bluecached/compose.py); it asks S3 through a `RemoteLink`
+(bluecached/tiers/remote_link.py), which its `RemoteFetcher` shares.
 """
 
 from __future__ import annotations
@@ -29,21 +33,26 @@ import logging
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol
 
 import trio
 
+from ..arrival import Arrival
 from ..namespace import ROOT_INO, FsError, Inode
 from . import index
 from .dram import CHUNK_SIZE
 from .objects import views
-from .remote_fetch import RemoteFetching
-from .s3 import S3Error, S3Store
+from .remote_fetch import RemoteFetcher
+from .remote_link import RemoteLink
+from .s3 import RemoteObject, S3Error, S3Store
+
+if TYPE_CHECKING:
+    from .placement import Tiers
 
 log = logging.getLogger("bluecached.tiers.remote")
 
 NEGATIVE_CACHE_MAX = 65536
 LISTED_TTL_S = 30            # keys seen in a LIST are trusted this long (files: HEAD only)
-PLACEHOLDER_TTL_S = 600      # a looked-up, never-read placeholder is forgotten after this
 MAINTAIN_INTERVAL_S = 5
 
 
@@ -106,35 +115,65 @@ class RemotePolicy:
     describe: dict = field(default_factory=dict)   # endpoint, bucket, region for status
 
 
-class RemoteTier(RemoteFetching):
-    def __init__(self, s3: S3Store, policy: RemotePolicy):
+class StoreView(Protocol):
+    """What the remote tier may ask of the store above it (bluecached.store.RemoteView):
+    names, the files and directories it finds, and removal. It knows nothing more of it."""
+
+    def lookup(self, parent: int, name: bytes) -> Inode:
+        """The local namespace's entry (FsError ENOENT if none)."""
+
+    def directory_path(self, ino: int) -> bytes:
+        """A directory's path under the mount (b"" once it is removed); FsError if `ino`
+        is no directory."""
+
+    def path_of(self, node: Inode) -> bytes:
+        """A file's path under the mount (b"" once it has no name)."""
+
+    def holds(self, node: Inode) -> bool:
+        """Whether `node` is still in the namespace (not unlinked and forgotten)."""
+
+    def is_temporary(self, node: Inode) -> bool:
+        """Whether every name of the file is a writer's temporary (`*.tmp`)."""
+
+    def add_directory(self, parent: int, name: bytes) -> Inode:
+        """A directory the remote tier has, made locally like its parent."""
+
+    def add_placeholder(self, parent: int, name: bytes, info: RemoteObject) -> Inode:
+        """A file the remote tier has: its size now, its bytes on first read."""
+
+    def remove_object(self, node: Inode, reason: str) -> None:
+        """The cache removes the file (every name of it), telling the hosts."""
+
+
+class RemoteTier:
+    def __init__(self, s3: S3Store, policy: RemotePolicy, tiers: Tiers, store: StoreView):
         self.s3 = s3
         self.policy = policy
-        self.store = None                 # attached by Store.attach_remote
+        self.tiers = tiers                # the local tiers: uploads read their DRAM and NVMe
+        self.store_view = store
         self.stats = RemoteCounters()
-        self.reachable = True             # optimistic until a request says otherwise
-        self.last_error: str | None = None
-        self.last_error_at: float | None = None
+        self.link = RemoteLink(s3, self.stats, on_recovered=self._wake)
+        self.fetcher = RemoteFetcher(self.link, policy, self.stats, tiers, store, self.key_of)
         self.remote_bytes: int | None = None      # as of the last capacity listing
         self.remote_objects: int | None = None
         self._queue: deque[tuple[Inode, int]] = deque()
         self._queued_inos: set[int] = set()
         self._delayed: deque[tuple[float, Inode]] = deque()   # admission by age
         self._work = trio.Event()
-        self._up = trio.Event()
-        self._up.set()
         self._negative: dict[str, float] = {}
         self._inflight: dict[str, trio.Event] = {}
         self._upload_limiter = trio.CapacityLimiter(max(1, policy.upload_workers))
-        self._placeholders: dict[int, tuple[Inode, float, str]] = {}   # ino -> (node, since, key)
         self._listed: dict[str, tuple[float, bool]] = {}   # key -> (expiry, is a directory)
         self._file_dirs: dict[int, None] = {}   # directories where a lookup found a file
-        self._prefetch_queue: deque[Inode] = deque()
-        self._prefetching = 0
-        self._prefetching_bytes = 0
-        self._unread: dict[int, tuple[Inode, float]] = {}   # prefetched, not read: ino -> since
-        self._prefetch_wake = trio.Event()
         self._nursery: trio.Nursery | None = None
+
+    @property
+    def reachable(self) -> bool:
+        return self.link.reachable
+
+    @property
+    def last_error(self) -> str | None:
+        return self.link.last_error
 
     # -- keys ------------------------------------------------------------------------------
 
@@ -151,34 +190,24 @@ class RemoteTier(RemoteFetching):
         Such a file stays local (a copy it had goes when it gets its second name)."""
         if node.parent is None or node.extra is not None:
             return None
-        return self.key_for(self.store.ns.path_of(node))
-
-    # -- reachability ----------------------------------------------------------------------
-
-    def _error(self, e: Exception) -> None:
-        self.stats.errors += 1
-        self.last_error, self.last_error_at = str(e), time.time()
-        if isinstance(e, S3Error) and e.unreachable:
-            if self.reachable:
-                log.warning("remote tier unreachable, serving from local tiers: %s", e)
-                self.reachable = False
-                self._up = trio.Event()
-        else:
-            log.error("remote tier: %s", e)
-
-    def _recovered(self) -> None:
-        if not self.reachable:
-            log.info("remote tier reachable again")
-            self.reachable = True
-            self._up.set()
-            self._wake()
+        return self.key_for(self.store_view.path_of(node))
 
     def _wake(self) -> None:
         self._work.set()
         self._work = trio.Event()
 
-    async def _thread(self, fn, *args, limiter=None):
-        return await trio.to_thread.run_sync(fn, *args, limiter=limiter)
+    # -- what the store asks of the fetcher -------------------------------------------------
+
+    def start_fetch(self, node: Inode) -> Arrival:
+        """A reader wants a placeholder's bytes: it waits on the returned arrival."""
+        return self.fetcher.start_fetch(node)
+
+    async def fetch(self, node: Inode) -> None:
+        """All of a placeholder's bytes into DRAM; the caller holds the content lock."""
+        await self.fetcher.fetch(node)
+
+    def note_read(self, node: Inode) -> None:
+        self.fetcher.note_read(node)
 
     # -- lookups ---------------------------------------------------------------------------
 
@@ -202,10 +231,9 @@ class RemoteTier(RemoteFetching):
     async def lookup(self, parent: int, name: bytes) -> Inode:
         """A name the namespace lacks: a placeholder (file) or directory if S3 has it, else
         ENOENT. Never raises anything else for remote trouble: the caller sees a miss."""
-        store = self.store
-        pnode = store.ns.directory(parent)
-        ppath = store.ns.path_of(pnode)
-        key = self.key_for(ppath + b"/" + name) if ppath or pnode.ino == ROOT_INO else None
+        store = self.store_view
+        ppath = store.directory_path(parent)
+        key = self.key_for(ppath + b"/" + name) if ppath or parent == ROOT_INO else None
         if key is None:
             raise FsError(errno.ENOENT)
         self.stats.lookups += 1
@@ -218,7 +246,7 @@ class RemoteTier(RemoteFetching):
         pending = self._inflight.get(key)
         if pending is not None:   # another lookup of this key is asking S3 already
             await pending.wait()
-            return store.ns.lookup(parent, name)
+            return store.lookup(parent, name)
         done = self._inflight[key] = trio.Event()
         try:
             return await self._ask(parent, name, key)
@@ -270,12 +298,12 @@ class RemoteTier(RemoteFetching):
         return out["head"], out.get("list")
 
     async def _ask(self, parent: int, name: bytes, key: str) -> Inode:
-        store = self.store
+        store = self.store_view
         listed = self._listed_as(key)
-        opening = self._opening_length() if listed is not True else 0
+        # with a prefetch slot free, the slot is this lookup's until it knows the size
+        opening = self.fetcher.reserve_opening() if listed is not True else 0
         if opening:
             self.stats.opening_gets += 1
-            self._prefetching += 1    # the slot is this lookup's until it knows the size
             head = functools.partial(self.s3.open_object, length=opening)
         else:
             head = self.s3.head
@@ -289,8 +317,8 @@ class RemoteTier(RemoteFetching):
                 elif listed is False or parent in self._file_dirs:
                     # a file as far as a LIST knows, or in a directory of files: the LIST only
                     # if there is no such file
-                    info = await self._thread(head, key)
-                    first = None if info else await self._thread(self.s3.first_key, key + "/")
+                    info = await self.link.call(head, key)
+                    first = None if info else await self.link.call(self.s3.first_key, key + "/")
                     is_dir = info is None and first is not None
                 else:
                     info, first = await self._head_and_list(key, head)
@@ -298,14 +326,14 @@ class RemoteTier(RemoteFetching):
                 if is_dir and first is not None:
                     self._remember_listed(first)
             except S3Error as e:
-                self._error(e)
+                self.link.failed(e)
                 self.stats.misses += 1
                 raise FsError(errno.ENOENT) from None
             if opening and info is not None:
                 info, opened = info[0], info[1:]
-            self._recovered()
+            self.link.answered()
             try:
-                return store.ns.lookup(parent, name)   # created here while we asked
+                return store.lookup(parent, name)   # created here while we asked
             except FsError:
                 pass
             if info is None and not is_dir:
@@ -314,34 +342,19 @@ class RemoteTier(RemoteFetching):
                 raise FsError(errno.ENOENT)
             self.stats.hits += 1
             if is_dir:
-                return store.mkdir_like_parent(parent, name)
+                return store.add_directory(parent, name)
             self._note_file_dir(parent)
             node = store.add_placeholder(parent, name, info)
-            self._placeholders[node.ino] = (node, trio.current_time(), key)
-            if opened is not None:
-                slot_taken = self._prefetch_opened(node, opened)
-            else:
-                self._want_prefetch(node)
+            slot_taken = self.fetcher.found(node, key, opened)
             return node
         finally:
             if opening and not slot_taken:   # no prefetch after all: drop the answer
-                if opened is not None and opened[0] is not None:
-                    opened[0].close()
-                self._prefetching -= 1
-                self._wake_prefetcher()
+                self.fetcher.release_opening(opened)
 
     def _note_file_dir(self, parent: int) -> None:
         if len(self._file_dirs) >= NEGATIVE_CACHE_MAX:
             self._file_dirs.clear()
         self._file_dirs[parent] = None
-
-    async def _delete_quietly(self, key: str | None) -> None:
-        if key is None:
-            return
-        try:
-            await self._thread(self.s3.delete, key)
-        except S3Error as e:
-            self._error(e)
 
     # -- uploads ---------------------------------------------------------------------------
 
@@ -354,7 +367,7 @@ class RemoteTier(RemoteFetching):
         obj = node.obj
         if (obj is None or obj.writers or node.parent is None or node.extra is not None
                 or self.uploaded(node)
-                or obj.remote_info is not None or node.ino in self.store.tmp_inos
+                or obj.remote_info is not None or self.store_view.is_temporary(node)
                 or node.ino in self._queued_inos):
             return
         policy = self.policy.admission
@@ -376,7 +389,7 @@ class RemoteTier(RemoteFetching):
     def admit_persisted(self) -> None:
         """At start: files on NVMe the journal does not record as uploaded (the queue is not
         persisted), most recently used first."""
-        for node in reversed(list(self.store.tiers.lru_nvme.values())):
+        for node in reversed(list(self.tiers.lru_nvme.values())):
             self.admit(node, "startup")
 
     def queue_length(self) -> int:
@@ -385,13 +398,13 @@ class RemoteTier(RemoteFetching):
     async def upload_worker(self) -> None:
         while True:
             while not self._queue or not self.reachable:
-                await (self._up.wait() if not self.reachable else self._work.wait())
+                await (self.link.wait_up() if not self.reachable else self._work.wait())
             node, version = self._queue.popleft()
             self._queued_inos.discard(node.ino)
             await self._upload(node, version)
 
     async def _upload(self, node: Inode, version: int) -> None:
-        tiers, obj = self.store.tiers, node.obj
+        tiers, obj = self.tiers, node.obj
         key = self.key_of(node)
         if obj.version != version or key is None or self.uploaded(node) or obj.writers:
             return
@@ -411,10 +424,10 @@ class RemoteTier(RemoteFetching):
             obj.uploading = trio.Event()
         started = time.perf_counter()
         try:
-            crcs = await self._thread(self.s3.put, key, body, CHUNK_SIZE, known,
-                                      limiter=self._upload_limiter)
+            crcs = await self.link.call(self.s3.put, key, body, CHUNK_SIZE, known,
+                                        limiter=self._upload_limiter)
         except S3Error as e:
-            self._error(e)
+            self.link.failed(e)
             if e.unreachable and obj.version == version and node.parent is not None:
                 self._queue.appendleft((node, version))   # keep it for when S3 is back
                 self._queued_inos.add(node.ino)
@@ -426,12 +439,12 @@ class RemoteTier(RemoteFetching):
             tiers.unpin(obj)
             done, obj.uploading = obj.uploading, None
             done.set()
-        self._recovered()
+        self.link.answered()
         self.stats.uploads += 1
         self.stats.upload_bytes += node.size
         self._negative.pop(key, None)
         if obj.version != version or self.key_of(node) != key:
-            await self._delete_quietly(key)   # renamed, unlinked or rewritten meanwhile
+            await self.link.delete_quietly(key)   # renamed, unlinked or rewritten meanwhile
             return
         obj.remote_version = version
         if obj.persisted:
@@ -453,7 +466,7 @@ class RemoteTier(RemoteFetching):
         if had_copy:
             self.stats.deletes += 1
             self._remember_miss(key)
-            self._nursery.start_soon(self._delete_quietly, key)
+            self._nursery.start_soon(self.link.delete_quietly, key)
 
     # -- background ------------------------------------------------------------------------
 
@@ -471,39 +484,24 @@ class RemoteTier(RemoteFetching):
             while self._delayed and self._delayed[0][0] <= now:
                 _, node = self._delayed.popleft()
                 self.admit(node, "aged")
-            self._expire_placeholders()
-            self.unread_bytes()   # unpins prefetched objects that aged out unread
+            self.fetcher.expire_placeholders()
+            self.fetcher.unread_bytes()   # unpins prefetched objects that aged out unread
             bounded = self.policy.max_bytes or self.policy.max_age
             if bounded and self.reachable and now - last_enforce >= self.policy.enforce_interval:
                 last_enforce = now
                 await self.enforce_capacity()
 
     async def probe(self) -> bool:
-        try:
-            await self._thread(self.s3.probe)
-        except S3Error as e:
-            self.last_error, self.last_error_at = str(e), time.time()
-            return False
-        self._recovered()
-        return True
-
-    def _expire_placeholders(self) -> None:
-        cutoff = trio.current_time() - PLACEHOLDER_TTL_S
-        for ino, (node, since, _) in list(self._placeholders.items()):
-            if node.parent is None or node.obj.remote_info is None:
-                del self._placeholders[ino]
-            elif not node.obj.busy and since < cutoff:
-                del self._placeholders[ino]
-                self.store.remove_object(node, "remote placeholder not read")
+        return await self.link.probe()
 
     async def enforce_capacity(self) -> dict:
         """Deletes objects under the prefix older than max_age, then the oldest until the
         total is at most low_fraction * max_bytes. Returns what it did."""
         policy = self.policy
         try:
-            objects = await self._thread(lambda: list(self.s3.list(policy.prefix)))
+            objects = await self.link.call(lambda: list(self.s3.list(policy.prefix)))
         except S3Error as e:
-            self._error(e)
+            self.link.failed(e)
             return {"error": str(e)}
         objects.sort(key=lambda o: o[2])   # oldest first
         doomed = []
@@ -518,7 +516,7 @@ class RemoteTier(RemoteFetching):
                 total -= o[1]
                 doomed.append(o)
         for key, _, _ in doomed:
-            await self._delete_quietly(key)
+            await self.link.delete_quietly(key)
         self.stats.capacity_deletes += len(doomed)
         self.remote_bytes, self.remote_objects = total, len(objects)
         if doomed:
@@ -529,12 +527,12 @@ class RemoteTier(RemoteFetching):
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
+            await nursery.start(self.fetcher.run)
             if not await self.probe():
-                self._error(S3Error(self.last_error or "no answer", unreachable=True))
+                self.link.failed(S3Error(self.last_error or "no answer", unreachable=True))
             for _ in range(max(1, self.policy.upload_workers)):
                 nursery.start_soon(self.upload_worker)
             nursery.start_soon(self.maintain)
-            nursery.start_soon(self.prefetcher)
             task_status.started()
 
     # -- reporting -------------------------------------------------------------------------
@@ -544,8 +542,8 @@ class RemoteTier(RemoteFetching):
                 "reachable": self.reachable, "admission": self.policy.admission,
                 "queue": len(self._queue), "queue_max": self.policy.queue_max,
                 "dropped": self.stats.uploads_dropped, "last_error": self.last_error,
-                "last_error_age_s": (round(time.time() - self.last_error_at, 1)
-                                     if self.last_error_at else None)}
+                "last_error_age_s": (round(time.time() - self.link.last_error_at, 1)
+                                     if self.link.last_error_at else None)}
 
     def tier_stats(self) -> dict:
         s = self.stats

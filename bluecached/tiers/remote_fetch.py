@@ -1,9 +1,8 @@
 """The remote tier's read side: a placeholder's bytes fetched into DRAM and served chunk by
 chunk as their CRC32Cs match (bluecached/arrival.py), and prefetching of looked-up files.
 
-`RemoteFetching` is the half of `RemoteTier` (bluecached/tiers/remote.py) that does this; it uses
-the tier's S3 store, store, policy, counters, reachability (`_error`, `_recovered`,
-`_thread`), placeholders and nursery, which RemoteTier sets up.
+`RemoteTier` (bluecached/tiers/remote.py) owns one `RemoteFetcher` and hands it each file a
+lookup found (a placeholder); the fetcher keeps them until they are read, fetched or expire.
 
 - fetch: the first reader (or a prefetch) starts one; every reader waits on its arrival
   for the chunks it needs, without the content lock the fetch holds. A failed chunk fails
@@ -21,6 +20,9 @@ from __future__ import annotations
 import errno
 import logging
 import time
+from collections import deque
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import trio
 
@@ -30,27 +32,84 @@ from .dram import CHUNK_SIZE
 from .objects import chunk_count, views
 from .s3 import Changed, ChecksumMismatch, S3Error
 
+if TYPE_CHECKING:
+    from .placement import Tiers
+    from .remote import RemoteCounters, RemotePolicy, StoreView
+    from .remote_link import RemoteLink
+
 log = logging.getLogger("bluecached.tiers.remote")
 
 PREFETCH_QUEUE_MAX = 4096    # looked-up placeholders waiting for a prefetch slot
 PREFETCH_UNREAD_S = 60       # prefetched bytes nobody read stop counting against the bound
 PREFETCH_WAKE_S = 5          # the prefetcher looks again this often: unread bytes age out
+PLACEHOLDER_TTL_S = 600      # a looked-up, never-read placeholder is forgotten after this
 
 
-class RemoteFetching:
-    # -- a lookup's own GET ----------------------------------------------------------------
+class RemoteFetcher:
+    def __init__(self, link: RemoteLink, policy: RemotePolicy, stats: RemoteCounters,
+                 tiers: Tiers, store: StoreView, key_of: Callable[[Inode], str | None]):
+        self.link = link
+        self.policy = policy
+        self.stats = stats
+        self.tiers = tiers          # the local tiers: DRAM for the bytes, then write-behind
+        self.store_view = store
+        self.key_of = key_of        # a file's key now (it may have been renamed meanwhile)
+        self._placeholders: dict[int, tuple[Inode, float, str]] = {}   # ino -> (node, since, key)
+        self._prefetch_queue: deque[Inode] = deque()
+        self._prefetching = 0
+        self._prefetching_bytes = 0
+        self._unread: dict[int, tuple[Inode, float]] = {}   # prefetched, not read: ino -> since
+        self._prefetch_wake = trio.Event()
+        self._nursery: trio.Nursery | None = None
 
-    def _opening_length(self) -> int:
-        """Bytes a lookup GETs at once (the start of a prefetch) instead of a HEAD, or 0
-        (then a HEAD): only with a prefetch slot free and nothing queued before it."""
+    async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        """Fetches and prefetches run in this task's nursery."""
+        async with trio.open_nursery() as nursery:
+            self._nursery = nursery
+            nursery.start_soon(self.prefetcher)
+            task_status.started()
+
+    # -- a file a lookup found -------------------------------------------------------------
+
+    def reserve_opening(self) -> int:
+        """Bytes a lookup GETs at once (the start of a prefetch) instead of a HEAD, holding a
+        prefetch slot until `found` takes it or `release_opening` gives it back; or 0 (then a
+        HEAD, no slot): only with a slot free and nothing queued before it."""
         policy = self.policy
         if (policy.prefetch <= 0 or self._prefetching >= policy.prefetch
                 or self._prefetch_queue or self.unread_bytes() >= self.prefetch_budget()):
             return 0
         # an object up to the multipart threshold comes whole in this one GET (as a read's
         # fetch would have it); beyond, the rest in parallel ranges once the size is known
-        length = max(self.s3.part_size, self.s3.multipart_threshold)
+        s3 = self.link.s3
+        length = max(s3.part_size, s3.multipart_threshold)
+        self._prefetching += 1
         return max(CHUNK_SIZE, length // CHUNK_SIZE * CHUNK_SIZE)
+
+    def release_opening(self, opened: tuple | None) -> None:
+        """The lookup's GET started no prefetch after all: its answer and its slot go."""
+        if opened is not None and opened[0] is not None:
+            opened[0].close()
+        self._prefetching -= 1
+        self._wake_prefetcher()
+
+    def found(self, node: Inode, key: str, opened: tuple | None) -> bool:
+        """A lookup made a placeholder for `key`: its bytes are prefetched (from the lookup's
+        GET if it had one). True if that GET's body and slot were taken."""
+        self._placeholders[node.ino] = (node, trio.current_time(), key)
+        if opened is not None:
+            return self._prefetch_opened(node, opened)
+        self._want_prefetch(node)
+        return False
+
+    def expire_placeholders(self) -> None:
+        cutoff = trio.current_time() - PLACEHOLDER_TTL_S
+        for ino, (node, since, _) in list(self._placeholders.items()):
+            if node.parent is None or node.obj.remote_info is None:
+                del self._placeholders[ino]
+            elif not node.obj.busy and since < cutoff:
+                del self._placeholders[ino]
+                self.store_view.remove_object(node, "remote placeholder not read")
 
     def _prefetch_opened(self, node: Inode, opened: tuple) -> bool:
         """A lookup's GET found the file: its body becomes the start of a prefetch, within
@@ -59,7 +118,7 @@ class RemoteFetching:
         if self.unread_bytes() + size > self.prefetch_budget():
             self._want_prefetch(node)   # waits for room in the queue, HEAD-style
             return False
-        chunks = self.store.tiers.try_take_chunks(chunk_count(size))
+        chunks = self.tiers.try_take_chunks(chunk_count(size))
         if chunks is None:   # DRAM pressure: leave it to the reader
             self.stats.prefetches_dropped += 1
             return False
@@ -87,7 +146,7 @@ class RemoteFetching:
                 if (obj.remote_info is None or obj.chunks is not None
                         or (prefetch and node.parent is None)):
                     if chunks:   # a reader's load got there first, or it was removed
-                        self.store.tiers.give_chunks(obj, chunks)
+                        self.tiers.give_chunks(obj, chunks)
                     return
                 if prefetch:
                     self.stats.prefetches += 1
@@ -105,7 +164,7 @@ class RemoteFetching:
                     else:
                         # pinned until read (or aged out): the evictor would otherwise take
                         # these first, as the blocks being read are the most recently used
-                        self.store.tiers.pin(obj)
+                        self.tiers.pin(obj)
                         self._unread[node.ino] = (node, trio.current_time())
         finally:
             if opened is not None and opened[0] is not None:
@@ -130,7 +189,7 @@ class RemoteFetching:
         object), into `chunks` if given (a prefetch's), marking each chunk in `arrival` once
         its CRC32C matched. Caller holds the content lock. On any failure the placeholder is
         removed (the next lookup asks again) and readers get EIO, never unchecked bytes."""
-        store, tiers, obj = self.store, self.store.tiers, node.obj
+        store, tiers, obj = self.store_view, self.tiers, node.obj
         info = obj.remote_info
         key = self._placeholders.pop(node.ino, (None, None, self.key_of(node)))[2]
         size = node.size
@@ -142,11 +201,11 @@ class RemoteFetching:
             self.stats.fetch_failures += 1
             return FsError(errno.EIO, f"remote tier: {why}")
 
-        if not self.reachable:
+        if not self.link.reachable:
             if opened is not None and opened[0] is not None:
                 opened[0].close()
             store.remove_object(node, "remote tier unreachable")
-            raise failed(f"unreachable: {self.last_error}")
+            raise failed(f"unreachable: {self.link.last_error}")
         if chunks is None:
             chunks = await tiers.take_chunks(chunk_count(size), zero=False)
         arrival.started(chunks)
@@ -160,17 +219,17 @@ class RemoteFetching:
         try:
             if key is None:
                 raise Changed("the file lost its name")
-            crcs = await self._thread(self.s3.get_into, key, info, views(chunks, 0, size),
+            crcs = await self.link.call(self.link.s3.get_into, key, info, views(chunks, 0, size),
                                       CHUNK_SIZE, checked, opened)
         except ChecksumMismatch as e:
             self.stats.checksum_failures += 1
             log.error("remote object %s failed its checksum, deleting it: %s", key, e)
             problem = f"checksum mismatch: {e}"
-            await self._delete_quietly(key)
+            await self.link.delete_quietly(key)
         except Changed as e:
             problem = f"remote object went away: {e}"
         except S3Error as e:
-            self._error(e)
+            self.link.failed(e)
             problem = str(e)
         except BaseException:
             failed("the fetch was interrupted")
@@ -180,8 +239,8 @@ class RemoteFetching:
         if problem is not None:
             store.remove_object(node, "remote fetch failed")
             raise failed(problem)
-        self._recovered()
-        if store.ns.inodes.get(node.ino) is not node:   # unlinked and forgotten meanwhile
+        self.link.answered()
+        if not store.holds(node):   # unlinked and forgotten meanwhile
             arrival.fail("the file was removed while it was fetched")
             tiers.give_chunks(obj, chunks)
             raise FsError(errno.ENOENT, "the file was removed while it was fetched")
@@ -227,12 +286,12 @@ class RemoteFetching:
         entry = self._unread.pop(ino, None)
         if entry is None:
             return False
-        self.store.tiers.unpin(entry[0].obj)
+        self.tiers.unpin(entry[0].obj)
         self._wake_prefetcher()
         return True
 
     def prefetch_budget(self) -> int:
-        return min(self.policy.prefetch_max_bytes, self.store.tiers.dram.capacity // 2)
+        return min(self.policy.prefetch_max_bytes, self.tiers.dram.capacity // 2)
 
     def unread_bytes(self) -> int:
         """Bytes prefetched and not read yet (those evicted, removed or too old no longer
@@ -262,7 +321,7 @@ class RemoteFetching:
                 if not self._still_placeholder(node):   # read, removed or being fetched
                     self._prefetch_queue.popleft()
                     continue
-                if not self.reachable:
+                if not self.link.reachable:
                     self._prefetch_queue.popleft()
                     self.stats.prefetches_dropped += 1
                     continue
@@ -274,7 +333,7 @@ class RemoteFetching:
                     self.stats.prefetches_dropped += 1
                     continue
                 self._prefetch_queue.popleft()
-                chunks = self.store.tiers.try_take_chunks(chunk_count(node.size))
+                chunks = self.tiers.try_take_chunks(chunk_count(node.size))
                 if chunks is None:   # DRAM pressure: leave it to the reader
                     self.stats.prefetches_dropped += 1
                     continue

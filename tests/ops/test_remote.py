@@ -13,7 +13,7 @@ import pytest
 import trio
 
 from bluecached import config
-from bluecached.compose import StartupError, build_remote
+from bluecached.compose import StartupError, add_remote_tier, open_bucket
 from bluecached.crc import chunk_crcs
 from bluecached.namespace import ROOT_INO, FsError
 from bluecached.tiers.s3 import CHUNKS_META, CRC_META, SIZE_META, load_credentials, make_client
@@ -26,8 +26,7 @@ def attach(h, ceph, bucket, **remote):
                 "remote.credentials_file": str(creds), "remote.addressing_style": "path",
                 "remote.multipart_threshold": "16MiB", "remote.part_size": "8MiB"}
     settings.update({f"remote.{k}": v for k, v in remote.items()})
-    h.store.attach_remote(build_remote(config.load_config(None, settings).remote))
-    return h.store.remote
+    return add_remote_tier(h.store, config.load_config(None, settings).remote)
 
 
 async def until(condition, what: str, timeout: float = 60) -> None:
@@ -224,7 +223,7 @@ def test_queue_is_bounded_while_unreachable_and_lookups_miss_at_once(harness, bu
                 "remote.bucket": name, "remote.credentials_file": str(creds),
                 "remote.addressing_style": "path", "remote.queue_max": 3,
                 "remote.timeout": "1s", "remote.retry_interval": "1s"}
-    h.store.attach_remote(build_remote(config.load_config(None, settings).remote))
+    add_remote_tier(h.store, config.load_config(None, settings).remote)
     remote = h.store.remote
 
     @serving(h)
@@ -399,11 +398,11 @@ def test_credentials_file_readable_by_others_is_refused(tmp_path):
                                     "remote.credentials_file": str(creds)})
     with pytest.raises(StartupError, match=r"readable or writable by group or others "
                                            r"\(mode 0640\): chmod 600 it"):
-        build_remote(cfg.remote)
+        open_bucket(cfg.remote)
     os.chmod(creds, 0o600)
     creds.write_text("[default]\naws_access_key_id = a\n")
     with pytest.raises(StartupError, match="lacks aws_secret_access_key"):
-        build_remote(cfg.remote)
+        open_bucket(cfg.remote)
 
 
 def test_remote_section_is_checked(tmp_path):
@@ -429,18 +428,18 @@ def test_lookups_prefetch_in_order_within_the_byte_bound(harness, ceph, bucket):
         await until(lambda: a.store.remote.stats.uploads == 6, "the uploads")
         nodes = [await find_path(b, path) for path in blocks]   # a connector's prefix check
         # the bound (8 MiB) holds two 3 MiB blocks: the first two in lookup order, no more
-        await until(lambda: rb.stats.prefetches == 2 and rb.unread_bytes() == 6 * MiB + 1,
+        await until(lambda: rb.stats.prefetches == 2 and rb.fetcher.unread_bytes() == 6 * MiB + 1,
                     "two prefetches")
         for _ in range(20):
             await trio.sleep(0.05)
-            assert rb.stats.prefetches == 2 and rb.unread_bytes() <= 8 * MiB
+            assert rb.stats.prefetches == 2 and rb.fetcher.unread_bytes() <= 8 * MiB
         assert [b.store.tier_of(n).startswith("dram+") for n in nodes] == [True] * 2 + [False] * 4
         # reading frees the bound: each read lets the next block be prefetched
         for i, (path, data) in enumerate(blocks.items()):
             assert await b.get(path) == data
             await until(lambda i=i: rb.stats.prefetches == min(6, i + 3), f"prefetch {i + 3}")
         assert rb.stats.fetches == 6 and rb.stats.prefetches_read == 6
-        assert rb.stats.fetch_failures == 0 and rb.unread_bytes() == 0
+        assert rb.stats.fetch_failures == 0 and rb.fetcher.unread_bytes() == 0
     a.check_consistency()
     b.check_consistency()
 
@@ -676,7 +675,8 @@ def test_a_lookup_with_a_prefetch_slot_free_gets_the_first_bytes_instead_of_a_he
         with pytest.raises(FsError) as e:
             await find_path(b, "/d/none.bin")
         assert e.value.errno == errno.ENOENT
-        assert rb._prefetching == 0 and rb._prefetching_bytes == 0   # every slot came back
+        fetcher = rb.fetcher   # every slot came back
+        assert fetcher._prefetching == 0 and fetcher._prefetching_bytes == 0
     a.check_consistency()
     b.check_consistency()
 
