@@ -1,6 +1,9 @@
-"""fusefs: the POSIX face of bluecache, as pyfuse3 Operations over an abstract cache client.
+"""fusefs: the POSIX face of bluecache, and every reply the kernel gets.
 
-Knows nothing of zmq, DOCA or CUDA: hostd hands it a `Cache` (see cache.py).
+operations.py answers pyfuse3's requests, inplace.py the writes the fuse shim reads into
+staging, ioctl.py the zero-copy ioctl; errors.py is the one errno map behind them all. Knows
+nothing of zmq, DOCA or CUDA: hostd hands it a `Cache` (cache.py), its staging slots
+(`SlotWriter`) and the ioctl's transfers (`Transfers`), and the fuse shim it loaded.
 """
 
 from .cache import Attr, Cache
