@@ -11,12 +11,12 @@ import trio
 from bluecached.dma import RegionTable
 from bluecached.dma.loopback import LoopbackEngine
 from bluecached.namespace import ROOT_INO, FsError
+from bluecached.shm import SharedRegion
 from bluecached.store import Store
 from bluecached.tiers.dram import DramPool
 from bluecached.tiers.journal import Journal
 from bluecached.tiers.nvme import SegmentStore
 from bluecached.tiers.placement import Tiers, Watermarks
-from bluecached.wire.client import SharedRegion
 
 MiB = 1 << 20
 
@@ -190,11 +190,11 @@ import contextlib  # noqa: E402
 import signal  # noqa: E402
 import socket  # noqa: E402
 import subprocess  # noqa: E402
-import sys  # noqa: E402
 import time  # noqa: E402
 
 import yaml  # noqa: E402
 
+from bluecached.supervisor import NotReady, Supervised, python_module  # noqa: E402
 from bluecached.wire import protocol  # noqa: E402
 from bluecached.wire.client import RegionChannel, SyncClient  # noqa: E402
 
@@ -221,42 +221,30 @@ class DaemonProcess:
         self.config = root / "bluecached.yaml"
         self.config.write_text(yaml.safe_dump(cfg))
         self.endpoints = protocol.state_dir_endpoints(str(self.state_dir))
-        self.proc: subprocess.Popen | None = None
+        self.process: Supervised | None = None
         self.log = root / "bluecached.log"
-        self.notify_messages: list[str] = []
 
     def start(self, timeout: float = 30, env: dict | None = None) -> "DaemonProcess":
-        self.notify_messages = []     # a restart must wait for the new process's READY=1
-        notify_path = self.root / "notify.sock"
-        with contextlib.suppress(FileNotFoundError):
-            notify_path.unlink()
-        self._notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-        self._notify.bind(str(notify_path))
-        env = dict(os.environ, NOTIFY_SOCKET=str(notify_path), PYTHONUNBUFFERED="1",
-                   **(env or {}))
-        with open(self.log, "ab") as log:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "bluecached.daemon", "--config", str(self.config)],
-                stdout=subprocess.DEVNULL, stderr=log, env=env)
-        deadline = time.monotonic() + timeout
-        while not any("READY=1" in m for m in self.notify_messages):
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"bluecached exited with {self.proc.returncode}:\n"
-                                   + self.log.read_text())
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise RuntimeError("bluecached did not send READY=1:\n" + self.log.read_text())
-            self._notify.settimeout(min(remaining, 0.5))
-            with contextlib.suppress(TimeoutError):
-                self.notify_messages.append(self._notify.recv(4096).decode())
+        """Starts it and waits for READY=1 (a restart waits for the new process's)."""
+        self.process = Supervised("bluecached", python_module("bluecached.daemon", "--config",
+                                                              str(self.config)),
+                                  self.root / "notify.sock", log=self.log, env=env).start()
+        try:
+            self.process.wait_ready(timeout)
+        except NotReady as e:
+            raise RuntimeError(f"{e}:\n" + self.log.read_text()) from None
         return self
 
+    @property
+    def proc(self) -> subprocess.Popen | None:
+        return self.process.proc if self.process else None
+
+    @property
+    def notify_messages(self) -> list[str]:
+        return self.process.messages if self.process else []
+
     def drain_notify(self) -> list[str]:
-        self._notify.settimeout(0.05)
-        with contextlib.suppress(TimeoutError, OSError):
-            while True:
-                self.notify_messages.append(self._notify.recv(4096).decode())
-        return self.notify_messages
+        return self.process.drain()
 
     def client(self, timeout: float = 10) -> SyncClient:
         return SyncClient(self.endpoints["control"], timeout=timeout)
@@ -265,17 +253,9 @@ class DaemonProcess:
         return RegionChannel(self.endpoints["regions"])
 
     def stop(self, sig=signal.SIGTERM, timeout: float = 60) -> int:
-        """Signals the daemon (if it runs) and waits for it; returns its exit status."""
-        if self.proc is None:
-            return 0
-        try:
-            if self.proc.poll() is None:
-                self.proc.send_signal(sig)
-            return self.proc.wait(timeout)
-        finally:
-            if self._notify.fileno() >= 0:
-                self.drain_notify()
-                self._notify.close()
+        """Signals the daemon (if it runs) and waits (SIGKILL after `timeout`); returns its exit
+        status."""
+        return self.process.stop(sig, timeout) if self.process else 0
 
     def kill(self) -> None:
         self.stop(signal.SIGKILL)
@@ -370,40 +350,24 @@ class HostdProcess:
         self.config = self.root / "hostd.yaml"
         self.config.write_text(yaml.safe_dump(cfg))
         self.log = self.root / "hostd.log"
-        self.proc: subprocess.Popen | None = None
+        self.process: Supervised | None = None
 
     def start(self, timeout: float = 30) -> "HostdProcess":
-        notify_path = self.root / "hostd-notify.sock"
-        with contextlib.suppress(FileNotFoundError):
-            notify_path.unlink()
-        notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-        notify.bind(str(notify_path))
-        env = dict(os.environ, NOTIFY_SOCKET=str(notify_path), PYTHONUNBUFFERED="1")
-        with open(self.log, "ab") as log:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "hostd.daemon", "--config", str(self.config)],
-                stdout=subprocess.DEVNULL, stderr=log, env=env)
+        self.process = Supervised("hostd", python_module("hostd.daemon", "--config",
+                                                         str(self.config)),
+                                  self.root / "hostd-notify.sock", log=self.log).start()
         try:
-            deadline = time.monotonic() + timeout
-            while True:
-                if self.proc.poll() is not None:
-                    raise RuntimeError(f"hostd exited with {self.proc.returncode}:\n"
-                                       + self.log.read_text())
-                if time.monotonic() > deadline:
-                    raise RuntimeError("hostd did not send READY=1:\n" + self.log.read_text())
-                notify.settimeout(0.5)
-                with contextlib.suppress(TimeoutError):
-                    if b"READY=1" in notify.recv(4096):
-                        return self
-        finally:
-            notify.close()
+            self.process.wait_ready(timeout)
+        except NotReady as e:
+            raise RuntimeError(f"{e}:\n" + self.log.read_text()) from None
+        return self
+
+    @property
+    def proc(self) -> subprocess.Popen | None:
+        return self.process.proc if self.process else None
 
     def stop(self, sig=signal.SIGTERM, timeout: float = 60) -> int:
-        if self.proc is None:
-            return 0
-        if self.proc.poll() is None:
-            self.proc.send_signal(sig)
-        return self.proc.wait(timeout)
+        return self.process.stop(sig, timeout) if self.process else 0
 
     def kill(self) -> None:
         self.stop(signal.SIGKILL)
