@@ -8,15 +8,12 @@ from pathlib import Path
 
 import trio
 
+from bluecached.compose import assemble_store
 from bluecached.dma import RegionTable
 from bluecached.dma.loopback import LoopbackEngine
 from bluecached.namespace import ROOT_INO, FsError
 from bluecached.shm import SharedRegion
 from bluecached.store import Store
-from bluecached.tiers.dram import DramPool
-from bluecached.tiers.journal import Journal
-from bluecached.tiers.nvme import SegmentStore
-from bluecached.tiers.placement import Tiers, Watermarks
 
 MiB = 1 << 20
 
@@ -53,15 +50,13 @@ class Harness:
 
     def _open(self) -> Store:
         kw = self.kw
-        nvme = journal = None
-        if kw["nvme"]:
-            nvme = SegmentStore(self.root / "nvme", kw["nvme"], kw["segment"], "auto", True)
-            journal = Journal(self.root / "nvme", True)
-        tiers = Tiers(DramPool(kw["dram"]), Watermarks(*kw["marks"]), nvme,
-                      Watermarks(*kw["nvme_marks"]), journal, kw["write_through"], 1 << 30,
-                      remove_object=lambda node, reason: store.remove_object(node, reason))
-        store = Store(tiers, self.engine, tmp_max_age=kw["tmp_max_age"],
-                      publish=lambda event, **f: self.events.append((event, f)))
+        store = assemble_store(
+            self.engine, dram_size=kw["dram"], dram_marks=kw["marks"],
+            nvme_path=self.root / "nvme", nvme_size=kw["nvme"], segment_size=kw["segment"],
+            nvme_marks=kw["nvme_marks"], o_direct="auto", durable=True,
+            write_through=kw["write_through"], journal_max_bytes=1 << 30,
+            tmp_max_age=kw["tmp_max_age"])
+        store.publish = lambda event, **f: self.events.append((event, f))
         store.load()
         return store
 
