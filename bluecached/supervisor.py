@@ -8,6 +8,7 @@ Standard library only.
 
 import contextlib
 import ctypes
+import json
 import os
 import signal
 import socket
@@ -28,6 +29,19 @@ class NotReady(RuntimeError):
 def python_module(module: str, *args: str) -> list[str]:
     """The command line that runs `module` with this interpreter (and so this checkout)."""
     return [sys.executable, "-m", module, *args]
+
+
+def set_options(settings: dict) -> list[str]:
+    """`--set KEY=VALUE` options for a daemon: dotted keys, or nested dicts of them. Values as
+    JSON, which the daemons read as YAML: quoted where a bare word would read otherwise."""
+    options = []
+    for key, value in settings.items():
+        if isinstance(value, dict):
+            options += set_options({f"{key}.{k}": v for k, v in value.items()})
+        else:
+            text = json.dumps(str(value) if isinstance(value, Path) else value)
+            options += ["--set", f"{key}={text}"]
+    return options
 
 
 def _die_with_parent(parent: int):

@@ -7,7 +7,6 @@ stop hostd first (unmount), then bluecached (write-behind and index checkpoint).
 supervisor itself dies (SIGKILL included), the kernel sends both children SIGTERM.
 """
 
-import json
 import os
 import signal
 import socket
@@ -18,7 +17,7 @@ from pathlib import Path
 from bluecached import statelock
 from bluecached.config import ConfigError, load_config, parse_size
 from bluecached.paths import PathProblem, describe, make_directory, not_a_directory
-from bluecached.supervisor import NotReady, Supervised, python_module
+from bluecached.supervisor import NotReady, Supervised, python_module, set_options
 
 from .mount import mounts_at
 
@@ -39,11 +38,9 @@ def _daemon(name: str, module: str, settings: dict, state: Path) -> Supervised:
     packaged /etc/bluecache files out of it. Its own session (a terminal's Ctrl-C reaches only
     `up`, which stops the daemons in order), but it dies with `up`; its log goes to `up`'s
     stderr."""
-    argv = python_module(module, "--config", os.devnull)
-    for key, value in settings.items():
-        argv += ["--set", f"{key}={json.dumps(value)}"]   # JSON is YAML, quoted where needed
-    return Supervised(name, argv, state / f"up-{name}.notify", new_session=True,
-                      die_with_parent=True)
+    return Supervised(name, python_module(module, "--config", os.devnull,
+                                          *set_options(settings)),
+                      state / f"up-{name}.notify", new_session=True, die_with_parent=True)
 
 
 DEFAULT_METRICS = "127.0.0.1:9464"
