@@ -2,33 +2,28 @@
 
     python bench/ioctl_bench.py [--blocks 24] [--size-mib 32] [--out-dir docs/benchmarks]
 
-Starts bluecached + hostd (as tests/support.py does) mounting a temp dir, then for each target
+Starts bluecached + hostd (bench/harness.py) mounting a temp dir, then for each target
 stores `--blocks` files and loads them back, from/into the same memfd-backed buffer:
   ioctl   hostd.zerocopy.store_from / load_into (STORE into a temp name + rename; LOAD)
   posix   the llm-d sequence through the mount: open tmp, one write, rename, close; read back
   tmpfs   the same POSIX sequence on /dev/shm (the "tmpfs direct" baseline)
 Targets from the issue: ioctl store >= 2x the POSIX store, and >= 0.8x a tmpfs direct write.
-Writes docs/benchmarks/ioctl.json and ioctl.png.
+Writes ioctl.json, ioctl.md and ioctl.png to --out-dir (docs/benchmarks by default).
 """
 
 import argparse
 import json
 import os
-import platform
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
+import harness
+from harness import Bluecached, Hostd, MiB, force_unmount, pattern
 
-from hostd.zerocopy import SharedBuffer, load_into, store_from  # noqa: E402
-from support import DaemonProcess, HostdProcess, force_unmount, pattern  # noqa: E402
-
-MiB = 1 << 20
+from hostd.zerocopy import SharedBuffer, load_into, store_from
 
 
 def posix_store(path: str, view: memoryview) -> None:
@@ -64,40 +59,26 @@ def timed(fn, paths, *args) -> float:
     return time.perf_counter() - start
 
 
-def drop_caches() -> bool:
-    try:
-        subprocess.run(["sync"], check=True)
-        Path("/proc/sys/vm/drop_caches").write_text("3\n")
-        return True
-    except OSError:
-        return False
-
-
-def cpu_model() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor()
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--blocks", type=int, default=24)
     ap.add_argument("--size-mib", type=int, default=32)
     ap.add_argument("--rounds", type=int, default=3, help="repeat each phase, keep the best")
-    ap.add_argument("--out-dir", type=Path, default=ROOT / "docs/benchmarks")
+    ap.add_argument("--out-dir", type=Path, default=harness.ROOT / "docs/benchmarks")
     args = ap.parse_args()
     size = args.size_mib * MiB
     work = Path(tempfile.mkdtemp(prefix="bcioctl-", dir="/var/tmp"))
     shm = Path(tempfile.mkdtemp(prefix="bcioctl-", dir="/dev/shm"))
     dram = f"{max(2 * args.blocks * args.size_mib, 512)}MiB"
-    daemon = DaemonProcess(work / "d", **{"tiers.dram.size": dram, "tiers.nvme.size": "8GiB",
-                                          "tiers.nvme.segment_size": "1GiB"})
+    daemon = Bluecached(work / "d", **{"tiers.dram.size": dram, "tiers.nvme.size": "8GiB",
+                                       "tiers.nvme.segment_size": "1GiB"})
+    out = harness.run_info("ioctl_bench", device="no GPU (embedded mode, loopback engine: "
+                                                 "memfd + memcpy)")
     started = time.time()
     results: dict[str, dict[str, float]] = {}
     try:
         daemon.start()
-        hostd = HostdProcess(daemon, work / "mnt").start()
+        hostd = Hostd(daemon, work / "mnt").start()
         mnt = work / "mnt"
         buf = SharedBuffer(size)
         buf.view()[:] = pattern("bench", size)
@@ -144,42 +125,22 @@ def main() -> int:
     }
     targets_met = {"ioctl store >= 2x POSIX store": ratios["ioctl_store_vs_posix_store"] >= 2,
                    "ioctl store >= 0.8x tmpfs write": ratios["ioctl_store_vs_tmpfs_write"] >= 0.8}
-    out = {
-        "benchmark": "ioctl_bench", "block_mib": args.size_mib, "blocks": args.blocks,
-        "rounds": args.rounds, "results_mib_s": results, "ratios": ratios,
-        "targets_met": targets_met, "seconds": round(time.time() - started, 1),
-        "machine": {"platform": platform.platform(), "cpu": cpu_model(),
-                    "cores": os.cpu_count(), "python": platform.python_version(),
-                    "device": "no GPU (embedded mode, loopback engine: memfd + memcpy)"},
-        "git": subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
-                              capture_output=True, text=True).stdout.strip(),
-    }
-    args.out_dir.mkdir(parents=True, exist_ok=True)
-    (args.out_dir / "ioctl.json").write_text(json.dumps(out, indent=2) + "\n")
+    out.update({"block_mib": args.size_mib, "blocks": args.blocks, "rounds": args.rounds,
+                "results_mib_s": results, "ratios": ratios, "targets_met": targets_met,
+                "seconds": round(time.time() - started, 1)})
     print(json.dumps({"ratios": ratios, "targets_met": targets_met}, indent=2))
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib missing: no PNG", file=sys.stderr)
-        return 0
-    fig, ax = plt.subplots(figsize=(7, 4))
-    names = list(results)
-    for i, phase in enumerate(("store_mib_s", "load_mib_s")):
-        vals = [results[n][phase] for n in names]
-        bars = ax.bar([x + i * 0.38 for x in range(len(names))], vals, 0.38,
-                      label=phase.split("_")[0])
-        ax.bar_label(bars, fmt="%.0f", fontsize=8)
-    ax.set_xticks([x + 0.19 for x in range(len(names))],
-                  ["ioctl (zero-copy)", "POSIX via mount", "tmpfs direct"])
-    ax.set_ylabel("MiB/s")
-    ax.set_title(f"{args.size_mib} MiB blocks, {os.cpu_count()} cores, loopback engine\n"
-                 f"ioctl store = {ratios['ioctl_store_vs_posix_store']}x POSIX, "
-                 f"{ratios['ioctl_store_vs_tmpfs_write']}x tmpfs", fontsize=9)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(args.out_dir / "ioctl.png", dpi=110)
+    labels = ["ioctl (zero-copy)", "POSIX via mount", "tmpfs direct"]
+    title = (f"{args.size_mib} MiB blocks, {os.cpu_count()} cores, loopback engine\n"
+             f"ioctl store = {ratios['ioctl_store_vs_posix_store']}x POSIX, "
+             f"{ratios['ioctl_store_vs_tmpfs_write']}x tmpfs")
+    markdown = harness.markdown_head(
+        "Zero-copy ioctl vs the POSIX path vs tmpfs", out,
+        f"{args.blocks} blocks of {args.size_mib} MiB, best of {args.rounds}; "
+        f"{out['machine']['device']}.")
+    markdown += harness.store_load_table(results, labels) + harness.targets_lines(targets_met)
+    harness.write_results(args.out_dir, "ioctl", out, "\n".join(markdown),
+                          lambda plt, path: harness.store_load_bars(
+                              plt, path, results, labels, ("store", "load"), title))
     return 0
 
 
