@@ -4,7 +4,7 @@ POSIX path fed from pinned memory, for 32 MiB KV blocks, in one run.
     python bench/gpu_bench.py [--blocks 16] [--size-mib 32] [--rounds 3] [--out-dir DIR]
     python bench/gpu_bench.py --simulator ...   # no GPU: a smoke run, the numbers mean nothing
 
-Starts bluecached + hostd (as tests/support.py does) mounting a temp dir; one device buffer
+Starts bluecached + hostd (bench/harness.py) mounting a temp dir; one device buffer
 (cuMemAlloc) and one page-locked host buffer (cuMemAllocHost) of a block each. Per round, for
 `--blocks` files:
   cumemcpy      the baseline: cuMemcpyDtoH into the pinned buffer (store), HtoD (load)
@@ -17,7 +17,7 @@ Then, apart: what bluecached pays per request to open and close the client's IPC
 through bluecached's own code), as a share of one block's cuMemcpy: the number that says
 whether handles should be kept open between requests (docs/hardware.md).
 Targets from the issue: ioctl store and load >= 0.8x cuMemcpy DtoH / HtoD with pinned memory.
-Writes gpu.json and gpu.png to --out-dir (docs/benchmarks by default), naming the device.
+Writes gpu.json, gpu.md and gpu.png to --out-dir (docs/benchmarks by default), naming the device.
 With --simulator (tests/cuda_sim.py) it runs without a GPU to prove the script works; its
 results go to a temporary directory unless --out-dir is given, and say they are simulated.
 """
@@ -26,7 +26,6 @@ import argparse
 import ctypes
 import json
 import os
-import platform
 import shutil
 import subprocess
 import sys
@@ -34,16 +33,15 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "tests"), str(ROOT / "bench")]
+import harness
+from harness import Bluecached, Hostd, MiB, force_unmount, pattern
+from ioctl_bench import posix_load, posix_store, timed
 
+from hostd.zerocopy import _handle_bytes, load_into, store_from
+
+# The CUDA driver simulator is test tooling (it must never ship): found in tests/, by path.
+sys.path.append(str(harness.ROOT / "tests"))
 import cuda_sim  # noqa: E402
-from ioctl_bench import cpu_model, posix_load, posix_store, timed  # noqa: E402
-
-from hostd.zerocopy import _handle_bytes, load_into, store_from  # noqa: E402
-from support import DaemonProcess, HostdProcess, force_unmount, pattern  # noqa: E402
-
-MiB = 1 << 20
 
 
 class Cuda:
@@ -142,7 +140,7 @@ def main() -> int:
     size, total_mib = args.size_mib * MiB, args.blocks * args.size_mib
     work = Path(tempfile.mkdtemp(prefix="bcgpu-", dir="/var/tmp"))
     out_dir = args.out_dir or (work.with_name(work.name + "-out") if args.simulator
-                               else ROOT / "docs/benchmarks")
+                               else harness.ROOT / "docs/benchmarks")
     try:
         driver, kind = cuda_sim.cuda_driver(work / "cuda-sim",
                                             "simulator" if args.simulator else "gpu")
@@ -155,14 +153,14 @@ def main() -> int:
     device = cuda.name() + (" (simulated: no GPU, copies by the CPU)" if kind != "gpu" else "")
     print(f"device: {device}", flush=True)
     dram = f"{max(2 * total_mib, 512)}MiB"
-    daemon = DaemonProcess(work / "d", **{"tiers.dram.size": dram, "tiers.nvme.size": "8GiB",
-                                          "tiers.nvme.segment_size": "1GiB"})
+    daemon = Bluecached(work / "d", **{"tiers.dram.size": dram, "tiers.nvme.size": "8GiB",
+                                       "tiers.nvme.segment_size": "1GiB"})
     started = time.time()
     results: dict[str, dict[str, float]] = {}
     dev = pinned = None
     try:
         daemon.start()
-        hostd = HostdProcess(daemon, work / "mnt").start()
+        hostd = Hostd(daemon, work / "mnt").start()
         mnt = work / "mnt"
         dev, pinned = DeviceBlock(cuda, size), PinnedBlock(cuda, size)
         pinned.view[:] = pattern("gpu-bench", size)
@@ -234,51 +232,32 @@ def main() -> int:
         "ioctl store >= 0.8x cuMemcpy DtoH": ratios["ioctl_store_vs_cumemcpy_dtoh"] >= 0.8,
         "ioctl load >= 0.8x cuMemcpy HtoD": ratios["ioctl_load_vs_cumemcpy_htod"] >= 0.8,
     }
-    out = {
-        "benchmark": "gpu_bench", "simulated": kind != "gpu", "block_mib": args.size_mib,
-        "blocks": args.blocks, "rounds": args.rounds, "results_mib_s": results,
-        "ratios": ratios, "targets_met": targets_met, "bytes_ok": bytes_ok,
-        "ipc_open_close": ipc,
-        "seconds": round(time.time() - started, 1),
-        "machine": {"platform": platform.platform(), "cpu": cpu_model(),
-                    "cores": os.cpu_count(), "python": platform.python_version(),
-                    "device": device, "cuda_driver_version": cuda.driver_version()},
-        "git": subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
-                              capture_output=True, text=True).stdout.strip(),
-    }
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "gpu.json").write_text(json.dumps(out, indent=2) + "\n")
+    out = harness.run_info("gpu_bench", device=device,
+                           cuda_driver_version=cuda.driver_version())
+    out.update({
+        "simulated": kind != "gpu", "block_mib": args.size_mib, "blocks": args.blocks,
+        "rounds": args.rounds, "results_mib_s": results, "ratios": ratios,
+        "targets_met": targets_met, "bytes_ok": bytes_ok, "ipc_open_close": ipc,
+        "seconds": round(time.time() - started, 1)})
     print(json.dumps({"ratios": ratios, "targets_met": targets_met, "bytes_ok": bytes_ok},
                      indent=2))
-    print(f"results in {out_dir / 'gpu.json'}")
-    plot(results, ratios, device, args.size_mib, out_dir / "gpu.png")
+    labels = ["cuMemcpy, pinned", "ioctl (zero-copy)", "POSIX fed from pinned"]
+    title = (f"{args.size_mib} MiB blocks on {device}\nioctl store = "
+             f"{ratios['ioctl_store_vs_cumemcpy_dtoh']}x cuMemcpy DtoH, load = "
+             f"{ratios['ioctl_load_vs_cumemcpy_htod']}x HtoD")
+    markdown = harness.markdown_head(
+        "GPU memory to and from the cache", out,
+        f"{args.blocks} blocks of {args.size_mib} MiB, best of {args.rounds}, on {device}.")
+    markdown += harness.store_load_table(results, labels) + harness.targets_lines(targets_met)
+    markdown += [f"IPC handle open + close per request: median {ipc['median_us']} µs, max "
+                 f"{ipc['max_us']} µs, {ipc['share_of_block_dtoh']:.1%} of one block's "
+                 f"cuMemcpy DtoH. Bytes checked after the round trip: "
+                 f"{'ok' if bytes_ok else 'DIFFERENT'}."]
+    harness.write_results(out_dir, "gpu", out, "\n".join(markdown),
+                          lambda plt, path: harness.store_load_bars(
+                              plt, path, results, labels, ("store (DtoH)", "load (HtoD)"),
+                              title))
     return 0 if bytes_ok else 1
-
-
-def plot(results: dict, ratios: dict, device: str, size_mib: int, path: Path) -> None:
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib missing: no PNG", file=sys.stderr)
-        return
-    fig, ax = plt.subplots(figsize=(7, 4))
-    names = list(results)
-    for i, phase in enumerate(("store_mib_s", "load_mib_s")):
-        vals = [results[n][phase] for n in names]
-        bars = ax.bar([x + i * 0.38 for x in range(len(names))], vals, 0.38,
-                      label=phase.split("_")[0] + (" (DtoH)" if i == 0 else " (HtoD)"))
-        ax.bar_label(bars, fmt="%.0f", fontsize=8)
-    ax.set_xticks([x + 0.19 for x in range(len(names))],
-                  ["cuMemcpy, pinned", "ioctl (zero-copy)", "POSIX fed from pinned"])
-    ax.set_ylabel("MiB/s")
-    ax.set_title(f"{size_mib} MiB blocks on {device}\nioctl store = "
-                 f"{ratios['ioctl_store_vs_cumemcpy_dtoh']}x cuMemcpy DtoH, load = "
-                 f"{ratios['ioctl_load_vs_cumemcpy_htod']}x HtoD", fontsize=9)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
 
 
 if __name__ == "__main__":
