@@ -16,39 +16,28 @@ doca:     the doca engine through the DOCA API simulator: host memory exported w
 Sweeps: chunk size (queue depth 16, thread completion), queue depth (1 MiB chunks), and the
 completion mode (progress thread vs a polling trio task). The per-chunk overhead is the slope
 of seconds per block against chunks per block in the chunk sweep.
-Writes docs/benchmarks/doca.json, doca.png and doca.md.
+Writes doca.json, doca.md and doca.png to --out-dir (docs/benchmarks by default).
 """
 
 import argparse
 import ctypes
 import json
 import os
-import platform
-import subprocess
 import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
+import harness
+import trio
+from harness import KiB, MiB
 
-import trio  # noqa: E402
+from bluecached.config import load_config
+from bluecached.dma import RegionTable, make_engine
+from bluecached.shm import SharedRegion
+from hostd.doca_export import HostExporter
 
-from bluecached.config import load_config  # noqa: E402
-from bluecached.dma import RegionTable, make_engine  # noqa: E402
-from bluecached.wire.client import SharedRegion  # noqa: E402
-from hostd.doca_export import HostExporter  # noqa: E402
-
-MiB, KiB = 1 << 20, 1 << 10
 CHUNKS = [64 * KiB, 256 * KiB, MiB, 2 * MiB, 4 * MiB]
 DEPTHS = [1, 2, 4, 8, 16, 32]
-
-
-def cpu_model() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor()
 
 
 def doca_engine(chunk: int, depth: int, completion: str):
@@ -117,12 +106,14 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--block-mib", type=int, default=32)
     ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--out-dir", type=Path, default=ROOT / "docs/benchmarks")
+    ap.add_argument("--out-dir", type=Path, default=harness.ROOT / "docs/benchmarks")
     args = ap.parse_args()
     os.environ["DOCA_SIM_MAX_BUF_SIZE"] = str(max(CHUNKS))   # the simulated device's cap
     block, rounds = args.block_mib * MiB, args.rounds
     started = time.time()
-    load_at_start = os.getloadavg()   # a busy machine shows: single configs vary run to run
+    # The load at the start is in the machine: a busy machine shows, single configs vary.
+    out = harness.run_info("doca_bench", device="no BlueField: the doca engine runs on the "
+                                                "DOCA API simulator")
 
     def show(name, r):
         print(f"{name:28} to_store {r['to_store_mib_s']:8.1f} MiB/s   from_store "
@@ -151,40 +142,28 @@ def main() -> int:
                                               / modes["thread"]["to_store_mib_s"], 2)
     ratios["poll_vs_thread_from_store"] = round(modes["poll"]["from_store_mib_s"]
                                                 / modes["thread"]["from_store_mib_s"], 2)
-    machine = {"platform": platform.platform(), "cpu": cpu_model(), "cores": os.cpu_count(),
-               "python": platform.python_version(),
-               "load_average_at_start": [round(x, 2) for x in load_at_start],
-               "device": "no BlueField: the doca engine runs on the DOCA API simulator"}
-    out = {"benchmark": "doca_bench", "block_mib": args.block_mib, "rounds": rounds,
-           "loopback": loopback, "doca_completion_modes": modes,
-           "doca_chunk_sweep": {str(c): r for c, r in chunks.items()},
-           "doca_queue_depth_sweep": {str(d): r for d, r in depths.items()},
-           "doca_per_chunk_overhead_us": per_chunk_us, "ratios": ratios,
-           "seconds": round(time.time() - started, 1), "machine": machine,
-           "git": subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
-                                 capture_output=True, text=True).stdout.strip()}
-    args.out_dir.mkdir(parents=True, exist_ok=True)
-    (args.out_dir / "doca.json").write_text(json.dumps(out, indent=2) + "\n")
+    out.update({"block_mib": args.block_mib, "rounds": rounds,
+                "loopback": loopback, "doca_completion_modes": modes,
+                "doca_chunk_sweep": {str(c): r for c, r in chunks.items()},
+                "doca_queue_depth_sweep": {str(d): r for d, r in depths.items()},
+                "doca_per_chunk_overhead_us": per_chunk_us, "ratios": ratios,
+                "seconds": round(time.time() - started, 1)})
     print(json.dumps({"ratios": ratios, "per_chunk_overhead_us": per_chunk_us}, indent=2))
-    write_markdown(args.out_dir / "doca.md", out)
-    plot(args.out_dir / "doca.png", out)
+    harness.write_results(args.out_dir, "doca", out, markdown(out),
+                          lambda plt, path: plot(plt, path, out))
     return 0
 
 
-def write_markdown(path: Path, out: dict) -> None:
+def markdown(out: dict) -> str:
     lo = out["loopback"]
-    lines = [
-        "# doca engine on the DOCA API simulator vs the loopback engine",
-        "",
-        f"Machine: {out['machine']['cpu']}, {out['machine']['cores']} cores "
-        f"({out['machine']['platform']}). **No BlueField**: the doca engine runs against the "
-        "DOCA API simulator, whose \"DMA\" is a CPU copy on a worker thread; what this shows is "
-        "the engine's own cost (staging copy, per-chunk DOCA calls, completion handling), not "
-        "DMA speed. Produced by `bench/doca_bench.py` "
-        f"(git {out['git']}), {out['block_mib']} MiB blocks, best of {out['rounds']}. "
-        f"Load average at start: {out['machine']['load_average_at_start']} (other work shared "
-        "the 2 cores: single points vary by up to ~2x between runs; the trends are what "
-        "holds).",
+    lines = harness.markdown_head(
+        "doca engine on the DOCA API simulator vs the loopback engine", out,
+        f"{out['block_mib']} MiB blocks, best of {out['rounds']}.") + [
+        "**No BlueField**: the doca engine runs against the DOCA API simulator, whose \"DMA\" "
+        "is a CPU copy on a worker thread; what this shows is the engine's own cost (staging "
+        "copy, per-chunk DOCA calls, completion handling), not DMA speed. "
+        f"Load average at start: {out['machine']['loadavg_at_start']} (where other work shares "
+        "the cores, single points vary by up to ~2x between runs; the trends are what holds).",
         "",
         "| engine | to_store MiB/s | from_store MiB/s |",
         "|---|---|---|",
@@ -209,17 +188,10 @@ def write_markdown(path: Path, out: dict) -> None:
               "(from_store).",
               f"Per-chunk overhead (slope of time per block vs chunks per block): "
               f"{oh['to_store']} µs to_store, {oh['from_store']} µs from_store.", ""]
-    path.write_text("\n".join(lines))
+    return "\n".join(lines)
 
 
-def plot(path: Path, out: dict) -> None:
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib missing: no PNG", file=sys.stderr)
-        return
+def plot(plt, path: Path, out: dict) -> None:
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
     lo = out["loopback"]
     for ax, sweep, label, fmt in ((a, out["doca_chunk_sweep"], "chunk (KiB), queue depth 16",
