@@ -3,24 +3,21 @@
 Writes N FILE records of 32 MiB objects (half folded into a snapshot, half left as journal
 appends), then times loading them back and rebuilding the extent allocator from them.
 
-    python bench/index_rebuild.py --objects 100000 --out docs/benchmarks/index_rebuild.json
+    python bench/index_rebuild.py --objects 100000 --out-dir docs/benchmarks
+        # -> index_rebuild.json and index_rebuild.md
 """
 
-from __future__ import annotations
-
 import argparse
-import json
 import os
-import platform
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import harness
 
-from bluecached.tiers.journal import Journal  # noqa: E402
-from bluecached.tiers.nvme import Extent, SegmentStore  # noqa: E402
+from bluecached.tiers.journal import Journal
+from bluecached.tiers.nvme import Extent, SegmentStore
 
 OBJECT_SIZE = 32 << 20
 SEGMENT_SIZE = 1 << 30
@@ -70,35 +67,37 @@ def run(objects: int, work: Path) -> dict:
         "rebuild_s": round(t2 - t1, 4),
         "total_s": round(t2 - t0, 4),
         "snapshot_bytes": (work / "nvme" / "index.snap").stat().st_size,
-        "machine": {
-            "platform": platform.platform(),
-            "machine": platform.machine(),
-            "processor": platform.processor(),
-            "python": platform.python_version(),
-            "cpus": os.cpu_count(),
-        },
     }
+
+
+def markdown(out: dict) -> str:
+    return "\n".join(harness.markdown_head(
+        "Index rebuild at daemon start", out,
+        f"{out['objects']} FILE records of 32 MiB objects, half in a snapshot, half in the "
+        "journal.") + [
+        "| Journal.load | SegmentStore.rebuild | total | snapshot |", "|---|---|---|---|",
+        f"| {out['load_s']} s | {out['rebuild_s']} s | {out['total_s']} s "
+        f"| {out['snapshot_bytes'] / harness.MiB:.1f} MiB |"])
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--objects", type=int, default=100_000)
-    ap.add_argument("--out", type=Path, default=Path("docs/benchmarks/index_rebuild.json"))
+    ap.add_argument("--out-dir", type=Path, default=harness.ROOT / "docs/benchmarks")
     ap.add_argument("--dir", type=Path, help="work directory (default: a temporary one)")
     args = ap.parse_args()
+    out = harness.run_info("index_rebuild")
     if args.dir:
         if (args.dir / "nvme").exists():
             ap.error(f"{args.dir / 'nvme'} exists: give a fresh --dir")
         args.dir.mkdir(parents=True, exist_ok=True)
-        result = run(args.objects, args.dir)
+        out.update(run(args.objects, args.dir))
     else:
         with tempfile.TemporaryDirectory(prefix="bench-index-") as tmp:
-            result = run(args.objects, Path(tmp))
-    text = json.dumps(result, indent=2)
-    print(text)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(text + "\n")
+            out.update(run(args.objects, Path(tmp)))
+    print({k: out[k] for k in ("objects", "load_s", "rebuild_s", "total_s")})
+    harness.write_results(args.out_dir, "index_rebuild", out, markdown(out))
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -803,7 +803,7 @@ def offline_index_rebuild(objects: int, work: Path, notes: list[str]) -> dict:
     out = work / "index_rebuild.json"
     t0 = time.perf_counter()
     proc = subprocess.run([sys.executable, str(script), "--objects", str(objects),
-                           "--dir", str(work / "index_rebuild"), "--out", str(out)],
+                           "--dir", str(work / "index_rebuild"), "--out-dir", str(work)],
                           capture_output=True, text=True, cwd=ROOT)
     wall = time.perf_counter() - t0
     shutil.rmtree(work / "index_rebuild", ignore_errors=True)
@@ -812,7 +812,8 @@ def offline_index_rebuild(objects: int, work: Path, notes: list[str]) -> dict:
                      f"{proc.stderr.strip()[-500:]}")
         return {"failed": proc.returncode, "stderr_tail": proc.stderr[-2000:]}
     result = json.loads(out.read_text())
-    result.pop("machine", None)  # same machine as this file's
+    for key in ("benchmark", "created", "command", "machine", "git"):
+        result.pop(key, None)  # the same run as this file's
     result["script_wall_s"] = round(wall, 2)
     return result
 
