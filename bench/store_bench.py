@@ -27,7 +27,7 @@ Then it measures daemon start time with a big index: bench/index_rebuild.py (Jou
 SegmentStore.rebuild alone, 100k records), and a real daemon restarted over 20k 4 KiB files
 created through the protocol (after SIGKILL: journal replay; after SIGTERM: snapshot).
 
-    python bench/store_bench.py          # full run -> docs/benchmarks/store.json, store.png
+    python bench/store_bench.py          # full run -> docs/benchmarks/store.{json,md,png}
     python bench/store_bench.py --quick  # smoke test -> /tmp/bluecache-bench-quick/
 
 See bench/README.md for what each number means.
@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import datetime
 import errno
 import json
 import os
@@ -45,7 +44,6 @@ import platform
 import re
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -54,39 +52,21 @@ import threading
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+import harness
+from harness import GiB, KiB, MiB, drop_caches
 
-import yaml  # noqa: E402
+from bluecached.config import parse_size
+from bluecached.namespace import ROOT_INO
+from bluecached.shm import SharedRegion
+from bluecached.wire.client import RegionChannel, SyncClient
 
-from bluecached.config import parse_size  # noqa: E402
-from bluecached.namespace import ROOT_INO  # noqa: E402
-from bluecached.wire import protocol  # noqa: E402
-from bluecached.wire.client import RegionChannel, SharedRegion, SyncClient  # noqa: E402
-
-KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
+ROOT = harness.ROOT
 OBJECT_SIZE = 32 * MiB
 STAMP = 64  # bytes of the object's name at the start and at the end of each object
 CALL_TIMEOUT = 300.0
 
 
 # -- machine -------------------------------------------------------------------------------------
-
-
-def cpu_model() -> str:
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    return platform.processor() or "unknown"
-
-
-def mem_total() -> int:
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemTotal:"):
-                return int(line.split()[1]) * KiB
-    return 0
 
 
 def mount_of(path: Path) -> dict:
@@ -114,120 +94,49 @@ def free_page_reporting() -> bool | None:
     return found
 
 
-def git_revision() -> dict:
-    def git(*args):
-        out = subprocess.run(["git", "-C", str(ROOT), *args], capture_output=True, text=True)
-        return out.stdout.strip() if out.returncode == 0 else None
-    status = git("status", "--porcelain", "--untracked-files=no")
-    return {"commit": git("rev-parse", "HEAD"), "tracked_changes": bool(status)}
-
-
-def machine_info(work: Path) -> dict:
-    return {
-        "platform": platform.platform(),
-        "kernel": platform.release(),
-        "cpu_model": cpu_model(),
-        "cores": os.cpu_count(),
-        "cores_usable": len(os.sched_getaffinity(0)),
-        "memory_bytes": mem_total(),
-        "python": platform.python_version(),
-        "python_impl": platform.python_implementation(),
-        "dir": str(work),
-        "dir_mount": mount_of(work),
-        "running_as_root": os.geteuid() == 0,
-        "loadavg_at_start": [round(x, 2) for x in os.getloadavg()],
-        "free_page_reporting": free_page_reporting(),
-    }
-
-
-# -- page cache ----------------------------------------------------------------------------------
-
-
-def drop_caches() -> str | None:
-    """sync, then drop clean page cache. None on success, else why it failed."""
-    os.sync()  # drop_caches only drops clean pages
-    try:
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("1\n")
-    except OSError as e:
-        return f"echo 1 > /proc/sys/vm/drop_caches failed: {e.strerror}"
-    return None
+def machine_extra(work: Path) -> dict:
+    """What this bench adds to harness.machine_info: the disk under test and how it runs."""
+    return {"python_impl": platform.python_implementation(), "dir": str(work),
+            "dir_mount": mount_of(work), "running_as_root": os.geteuid() == 0,
+            "free_page_reporting": free_page_reporting()}
 
 
 # -- a bluecached process ------------------------------------------------------------------------
 
 
 class Daemon:
-    """bluecached as its own process with a config file; READY=1 read from a NOTIFY_SOCKET."""
+    """bluecached (harness.Bluecached) and what this bench times of it: seconds from start to
+    READY=1 and to an answered `hello`, the index rebuild it logged, the stop; and one
+    long-lived admin connection."""
 
     def __init__(self, root: Path, settings: dict):
-        self.root = root
-        root.mkdir(parents=True, exist_ok=True)
-        state = root / "state"
-        if len(str(state)) > 80:  # ipc:// and unix socket paths must stay under 108 bytes
-            state = Path(tempfile.mkdtemp(prefix="bcb-", dir="/tmp"))
-            self._own_state = state
-        else:
-            self._own_state = None
-        self.state_dir = state
-        self.cfg = {"state_dir": str(state), "log_level": "info", "metrics": {"listen": ""}}
-        for key, value in settings.items():  # dotted keys, e.g. "tiers.dram.size"
-            node = self.cfg
-            *parents, last = key.split(".")
-            for p in parents:
-                node = node.setdefault(p, {})
-            node[last] = value
-        self.config = root / "bluecached.yaml"
-        self.config.write_text(yaml.safe_dump(self.cfg, sort_keys=False))
-        self.endpoints = protocol.state_dir_endpoints(str(state))
-        self.log = root / "bluecached.log"
-        self.proc: subprocess.Popen | None = None
-        self._notify: socket.socket | None = None
-        self._notes: list[tuple[float, str]] = []
+        self.bluecached = harness.Bluecached(root, **{"log_level": "info", **settings})
+        self.settings = self.bluecached.settings
+        self.endpoints = self.bluecached.endpoints
+        self.log = self.bluecached.log
         self._log_from = 0
         self.admin: SyncClient | None = None
 
     @property
     def pid(self) -> int:
-        return self.proc.pid
-
-    def _read_notify(self, sock: socket.socket) -> None:
-        while True:
-            try:
-                data = sock.recv(4096)
-            except OSError:
-                return
-            self._notes.append((time.perf_counter(), data.decode(errors="replace")))
+        return self.bluecached.proc.pid
 
     def start(self, timeout: float = 600) -> dict:
         """Starts the daemon; returns seconds until READY=1 and until `hello` was answered, and
         the index rebuild line the daemon logged."""
-        path = self.root / "notify.sock"
-        with contextlib.suppress(FileNotFoundError):
-            path.unlink()
-        self._notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-        self._notify.bind(str(path))
-        self._notes = []
-        threading.Thread(target=self._read_notify, args=(self._notify,), daemon=True).start()
         control_sock = Path(self.endpoints["control"][len("ipc://"):])
         with contextlib.suppress(FileNotFoundError):
             control_sock.unlink()  # so its appearance means "bound by this start"
         self._log_from = self.log.stat().st_size if self.log.exists() else 0
-        env = dict(os.environ, NOTIFY_SOCKET=str(path), PYTHONUNBUFFERED="1",
-                   PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT),
-                                                            os.environ.get("PYTHONPATH")])))
-        t0 = time.perf_counter()
-        with open(self.log, "ab") as log:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "bluecached.daemon", "--config", str(self.config)],
-                stdout=subprocess.DEVNULL, stderr=log, env=env, cwd="/")
+        self.bluecached.start(wait=False)
+        proc, t0 = self.bluecached.proc, self.bluecached.process.started_at
         deadline = t0 + timeout
         hello_at = None
         while hello_at is None:  # poll for the control socket, then time one hello
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"bluecached exited with {self.proc.returncode}:\n"
+            if proc.poll() is not None:
+                raise RuntimeError(f"bluecached exited with {proc.returncode}:\n"
                                    + self.new_log())
-            if time.perf_counter() > deadline:
+            if time.time() > deadline:
                 raise RuntimeError("bluecached did not bind its control socket:\n"
                                    + self.new_log())
             if control_sock.exists():
@@ -238,15 +147,11 @@ class Daemon:
                     if e.errno != errno.ETIMEDOUT:
                         raise
                     continue
-                hello_at = time.perf_counter()
+                hello_at = time.time()
                 client.close()
             else:
                 time.sleep(0.002)
-        while not any("READY=1" in m for _, m in self._notes):
-            if self.proc.poll() is not None or time.perf_counter() > deadline:
-                raise RuntimeError("bluecached did not send READY=1:\n" + self.new_log())
-            time.sleep(0.002)
-        ready_at = next(t for t, m in self._notes if "READY=1" in m)
+        ready_at = self.bluecached.wait_ready(max(0.0, deadline - time.time()))
         self.admin = self.client()
         rebuilt = re.search(r"index rebuilt: (\d+) files, (\d+) inodes from (\d+) records in "
                             r"([0-9.]+)s", self.new_log())
@@ -270,23 +175,14 @@ class Daemon:
             self.admin.close()
             self.admin = None
         t0 = time.perf_counter()
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(sig)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-                raise RuntimeError(f"bluecached did not exit within {timeout}s of {sig!r}") \
-                    from None
-            if sig == signal.SIGTERM and self.proc.returncode != 0:
-                raise RuntimeError(f"bluecached exited with {self.proc.returncode} on SIGTERM:\n"
+        if self.bluecached.process and self.bluecached.process.running():
+            status = self.bluecached.stop(sig, timeout)
+            if self.bluecached.process.killed:
+                raise RuntimeError(f"bluecached did not exit within {timeout}s of {sig!r}")
+            if sig == signal.SIGTERM and status != 0:
+                raise RuntimeError(f"bluecached exited with {status} on SIGTERM:\n"
                                    + self.new_log())
-        elapsed = time.perf_counter() - t0
-        if self._notify is not None:
-            self._notify.close()
-            self._notify = None
-        return round(elapsed, 4)
+        return round(time.perf_counter() - t0, 4)
 
     def new_log(self) -> str:
         with contextlib.suppress(OSError), open(self.log, "rb") as f:
@@ -296,16 +192,10 @@ class Daemon:
 
     def log_problems(self) -> list[str]:
         """WARNING/ERROR lines and tracebacks anywhere in this daemon's log."""
-        if not self.log.exists():
-            return []
-        return [line for line in self.log.read_text(errors="replace").splitlines()
-                if " WARNING " in line or " ERROR " in line or "Traceback" in line]
+        return self.bluecached.unexpected_log_lines()
 
     def cleanup(self) -> None:
-        with contextlib.suppress(Exception):
-            self.stop(signal.SIGKILL, timeout=30)
-        if self._own_state is not None:
-            shutil.rmtree(self._own_state, ignore_errors=True)
+        self.bluecached.cleanup()
 
 
 # -- clients -------------------------------------------------------------------------------------
@@ -385,7 +275,6 @@ class Worker:
         self.shm.close()
 
 
-_TICK = os.sysconf("SC_CLK_TCK")
 DISK_STAT: Path | None = None  # /sys/dev/block/M:m/stat of the device holding --dir
 
 
@@ -416,18 +305,9 @@ def disk_delta(after: tuple, before: tuple) -> dict:
 
 def cpu_seconds(pid: int | None) -> tuple[float, float, float]:
     """(CPU seconds of process pid, of this process, of the whole machine) so far."""
-    daemon = 0.0
-    if pid is not None:
-        with contextlib.suppress(OSError):
-            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-            daemon = (int(fields[11]) + int(fields[12])) / _TICK  # utime + stime
     t = os.times()
-    machine = 0.0
-    with contextlib.suppress(OSError):
-        cpu = Path("/proc/stat").read_text().splitlines()[0].split()[1:]
-        # user nice system idle iowait irq softirq steal: everything but idle and iowait
-        machine = sum(int(v) for i, v in enumerate(cpu[:8]) if i not in (3, 4)) / _TICK
-    return daemon, t.user + t.system, machine
+    return (harness.proc_cpu(pid) or 0.0, t.user + t.system,
+            harness.system_busy()[0] / harness.TICK)
 
 
 def run_phase(workers: list[Worker], names: list[list[bytes]], op, pid: int | None = None) -> dict:
@@ -730,7 +610,7 @@ def throughput_point(daemon: Daemon, workers_all: list[Worker], concurrency: int
     bc["restart"] = {"sigterm_stop_s": daemon.stop()}
     bc["restart"].update(daemon.start())
     bc["restart"]["warm_up"] = attach(daemon, workers_all, warm_objects, piece)
-    failed = drop_caches()
+    failed = drop_caches(1)
     if failed:
         notes.append(f"c{concurrency}: page cache NOT dropped before get_nvme: {failed}")
     parent = daemon.call("lookup", parent=ROOT_INO, name=dirname)["ino"]
@@ -771,7 +651,7 @@ def throughput_point(daemon: Daemon, workers_all: list[Worker], concurrency: int
         base["read_warm"] = run_phase(workers, names, fs_read(piece, directory))
         base["write_overwrite"] = run_phase(workers, names,
                                             fs_write(piece, directory, overwrite=True))
-        failed = drop_caches()
+        failed = drop_caches(1)
         if failed:
             notes.append(f"c{concurrency}: page cache NOT dropped before read_cold: {failed}")
         base["read_cold"] = run_phase(workers, names, fs_read(piece, directory))
@@ -876,12 +756,12 @@ def daemon_restart_index(work: Path, files: int, clients: int, settings: dict,
         out["populate"]["dram_evictions"] = stats["tiers"]["dram"]["evictions"]
         # SIGKILL: no checkpoint, so the next start replays every journal record
         daemon.stop(signal.SIGKILL)
-        drop_caches()
+        drop_caches(1)
         out["after_sigkill"] = daemon.start()
         out["after_sigkill"]["files_served"] = daemon.call("stats")["files"]
         # SIGTERM: flush + checkpoint, so the next start reads one snapshot
         out["sigterm_stop_s"] = daemon.stop()
-        drop_caches()
+        drop_caches(1)
         out["after_sigterm"] = daemon.start()
         out["after_sigterm"]["files_served"] = daemon.call("stats")["files"]
         for key in ("after_sigkill", "after_sigterm"):
@@ -891,7 +771,7 @@ def daemon_restart_index(work: Path, files: int, clients: int, settings: dict,
         base = out["empty_start"]["hello_s"]
         per = (out["after_sigterm"]["hello_s"] - base) / files
         out["extrapolated_100k_hello_s"] = round(base + per * 100_000, 2)
-        nvme_dir = Path(daemon.cfg["tiers"]["nvme"]["path"])
+        nvme_dir = Path(daemon.settings["tiers.nvme.path"])
         out["index_dir_bytes"] = sum(p.stat().st_size for p in nvme_dir.glob("*")
                                      if p.name.startswith(("index", "journal")))
         out["log_problems"] = daemon.log_problems()[:20]
@@ -970,11 +850,7 @@ def markdown(result: dict) -> str:
     return "\n".join(lines)
 
 
-def plot(result: dict, path: Path) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+def plot(plt, result: dict, path: Path) -> None:
     points = result["points"]
     xs = list(range(len(points)))
     # (title, bluecached phase, [(baseline phase, legend, ratio key), ...])
@@ -1108,7 +984,6 @@ def objects_for(total: int, concurrency: int) -> int:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    started = time.time()
     t_start = time.perf_counter()
     own_work = args.dir is None
     work = Path(tempfile.mkdtemp(prefix="bcbench-", dir="/var/tmp")) if own_work else args.dir
@@ -1135,13 +1010,9 @@ def main(argv=None) -> int:
                 "durability": args.durability, "write_policy": "write-behind"}
     global DISK_STAT
     DISK_STAT = block_stat_path(work)
-    result: dict = {
-        "benchmark": "bluecached store: put/get of 32 MiB objects vs plain files",
-        "started": datetime.datetime.fromtimestamp(started).astimezone().isoformat(
-            timespec="seconds"),
-        "command": " ".join([Path(sys.executable).name, *sys.argv]),
-        "revision": git_revision(),
-        "machine": machine_info(work),
+    result: dict = harness.run_info("store_bench", **machine_extra(work))
+    result.update({
+        "title": "bluecached store: put/get of 32 MiB objects vs plain files",
         "config": {"quick": args.quick, "object_bytes": OBJECT_SIZE, "piece_bytes": args.piece,
                    "total_bytes_per_point": args.total, "concurrency": args.concurrency,
                    "objects_per_point": {str(c): n for c, n in rounds.items()},
@@ -1152,7 +1023,7 @@ def main(argv=None) -> int:
                    "baseline": "os.open/os.write/os.readv/os.close, no fsync, same buffers",
                    "warm_up": not args.no_warm_up, "repeat": args.repeat,
                    "o_direct_setting": args.o_direct},
-    }
+    })
     print(f"store_bench: work dir {work} ({result['machine']['dir_mount']['fs_type']}), "
           f"dram {dram / GiB:.1f} GiB, points {rounds}", file=sys.stderr)
     workers: list[Worker] = []
@@ -1163,7 +1034,7 @@ def main(argv=None) -> int:
         result["daemon"] = {"o_direct": status["o_direct"], "engine": status["engine"],
                             "version": status["version"], "durability": status["durability"],
                             "write_policy": status["write_policy"], "empty_start": start,
-                            "config": daemon.cfg}
+                            "config": daemon.settings}
         workers = [Worker(i, OBJECT_SIZE) for i in range(max(args.concurrency))]
         warm = 0 if args.no_warm_up else max(len(workers), max(rounds.values()))
         result["daemon"]["warm_up"] = attach(daemon, workers, warm, args.piece)
@@ -1212,11 +1083,13 @@ def main(argv=None) -> int:
 
     result["notes"] = notes
     result["duration_s"] = round(time.perf_counter() - t_start, 1)
-    args.out_dir.mkdir(parents=True, exist_ok=True)
-    (args.out_dir / "store.json").write_text(json.dumps(result, indent=2) + "\n")
-    plot(result, args.out_dir / "store.png")
+    table = markdown(result)
+    harness.write_results(args.out_dir, "store", result, "\n".join(harness.markdown_head(
+        result["title"], result, f"Work directory on {result['machine']['dir_mount']['fs_type']}"
+        f"{' (quick)' if args.quick else ''}.")) + "\n" + table,
+        lambda plt, path: plot(plt, result, path))
 
-    print(markdown(result))
+    print(table)
     idx = result.get("index_rebuild", {})
     if "offline" in idx and "total_s" in idx["offline"]:
         o = idx["offline"]
@@ -1231,8 +1104,7 @@ def main(argv=None) -> int:
               f"write-behind)")
     for note in notes:
         print(f"note: {note}")
-    print(f"\nrun took {result['duration_s']} s; wrote {args.out_dir / 'store.json'} and "
-          f"{args.out_dir / 'store.png'}")
+    print(f"\nrun took {result['duration_s']} s")
     return 0
 
 
