@@ -275,7 +275,7 @@ class Daemon:
             if tiers.journal is not None:
                 tiers.journal.close()
             if self.store.remote is not None:
-                await trio.to_thread.run_sync(self.store.remote.s3.close)
+                await self.store.remote.close()
             log.info("stopped cleanly; %s", self.summary())
 
 

@@ -12,7 +12,7 @@ import trio
 
 from .tiers.dram import CHUNK_SIZE
 from .tiers.objects import chunk_count
-from .tiers.placement import _read_and_verify
+from .tiers.placement import read_and_verify
 
 log = logging.getLogger("bluecached.verify")
 
@@ -48,7 +48,7 @@ class Verifier:
                             buffers.append(mmap.mmap(-1, CHUNK_SIZE))
                         try:
                             bad = await trio.to_thread.run_sync(
-                                _read_and_verify, tiers.nvme, obj.extent, buffers[:n],
+                                read_and_verify, tiers.nvme, obj.extent, buffers[:n],
                                 node.size, obj.crcs)
                         except OSError as e:
                             log.error("verify: reading inode %d failed: %s", node.ino, e)

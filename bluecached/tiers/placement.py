@@ -74,7 +74,7 @@ def _crc_and_write(nvme: SegmentStore, extent, chunks: list, size: int,
     return crcs
 
 
-def _read_and_verify(nvme: SegmentStore, extent, chunks: list, size: int, crcs: bytes) -> int:
+def read_and_verify(nvme: SegmentStore, extent, chunks: list, size: int, crcs: bytes) -> int:
     """Worker thread: read the extent into chunks; returns the index of the first chunk whose
     CRC32C does not match, or -1."""
     nvme.read(extent, [memoryview(c) for c in chunks], size)
@@ -337,7 +337,7 @@ class Tiers:
         self.pin(obj)
         try:
             bad = await trio.to_thread.run_sync(
-                _read_and_verify, self.nvme, obj.extent, chunks, node.size, obj.crcs)
+                read_and_verify, self.nvme, obj.extent, chunks, node.size, obj.crcs)
         except OSError as e:
             self.unpin(obj)
             for c in chunks:

@@ -537,6 +537,10 @@ class RemoteTier:
 
     # -- reporting -------------------------------------------------------------------------
 
+    async def close(self) -> None:
+        """The S3 client's connection pool: closed in a worker thread, it may block."""
+        await trio.to_thread.run_sync(self.s3.close)
+
     def status(self) -> dict:
         return {**self.policy.describe, "prefix": self.policy.prefix,
                 "reachable": self.reachable, "admission": self.policy.admission,
