@@ -23,7 +23,7 @@ def physical_memory() -> int:
 
 
 class DramPool:
-    def __init__(self, capacity: int):
+    def __init__(self, capacity: int, before_unmap=None):
         self.capacity = capacity - capacity % CHUNK_SIZE
         memory = physical_memory()
         if self.capacity > memory:
@@ -35,7 +35,7 @@ class DramPool:
         self._free: list[mmap.mmap] = []
         self._in_use = 0
         # Told before a chunk is unmapped (a DMA engine may hold a registration on it).
-        self.before_unmap = None
+        self.before_unmap = before_unmap
         self._taken = trio.Event()   # set by take(): map_ahead tops the free list up
         self.last_take = -1e9        # time.monotonic() of the last take
 
