@@ -253,6 +253,12 @@ def force_unmount(path: Path) -> None:
         unguard_bare(path)
 
 
+def _package_env() -> dict:
+    """The daemons run as `python -m`: this checkout's packages first, installed or not."""
+    return {"PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT),
+                                                        os.environ.get("PYTHONPATH")]))}
+
+
 def _log_problems(log: Path, allowed=()) -> list[str]:
     """WARNING/ERROR lines and tracebacks not matching any of `allowed`."""
     if not log.exists():
@@ -287,11 +293,8 @@ class Bluecached:
         """Starts it and (unless not `wait`) waits for READY=1."""
         argv = python_module("bluecached.daemon", "--config", os.devnull,
                              *set_options(self.settings))
-        env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT),
-                                                          os.environ.get("PYTHONPATH")])),
-               **(env or {})}
         self.process = Supervised("bluecached", argv, self.root / "notify.sock", log=self.log,
-                                  env=env, cwd="/").start()
+                                  env={**_package_env(), **(env or {})}, cwd="/").start()
         if wait:
             self.wait_ready(timeout)
         return self
@@ -343,7 +346,7 @@ class Hostd:
         argv = python_module("hostd.daemon", "--config", os.devnull,
                              *set_options(self.settings))
         self.process = Supervised("hostd", argv, self.daemon.root / "hostd-notify.sock",
-                                  log=self.log).start()
+                                  log=self.log, env=_package_env(), cwd="/").start()
         try:
             self.process.wait_ready(timeout)
         except NotReady as e:

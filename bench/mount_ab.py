@@ -19,15 +19,11 @@ import sys
 import tempfile
 from pathlib import Path
 
+import harness
+import mount_bench as mb
 import yaml
+from harness import Hostd, MiB
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import mount_bench as mb  # noqa: E402
-
-from support import HostdProcess  # noqa: E402  (mount_bench put tests/ on sys.path)
-
-MiB = 1 << 20
 BLOCK = 32 * MiB
 
 
@@ -72,7 +68,7 @@ def main() -> int:
     bc = mb.Bluecache(work / "bc", mnt, settings)
     try:
         bc.daemon.start()
-        bc.hostd = HostdProcess(bc.daemon, mnt, **dict(args.hostd)).start()
+        bc.hostd = Hostd(bc.daemon, mnt, **dict(args.hostd)).start()
         base = os.urandom(BLOCK)
         gib = args.files * BLOCK / (1 << 30)
         print(f"{args.threads} threads, {args.files} x 32 MiB per round; hostd "
@@ -80,9 +76,9 @@ def main() -> int:
         for r in range(args.rounds):
             data = mb.Dataset(args.files, BLOCK, r * 1000, base)
             hostd, daemon = bc.pids["hostd"], bc.pids["bluecached"]
-            h0, d0, m0 = thread_cpu(hostd), thread_cpu(daemon), mb.system_busy()
+            h0, d0, m0 = thread_cpu(hostd), thread_cpu(daemon), harness.system_busy()
             store = mb.store_phase(mnt, data, args.threads)
-            h1, d1, m1 = thread_cpu(hostd), thread_cpu(daemon), mb.system_busy()
+            h1, d1, m1 = thread_cpu(hostd), thread_cpu(daemon), harness.system_busy()
             seconds = store["seconds"]
             line = (f"round {r}{' (warm-up)' if r == 0 else ''}: store "
                     f"{mb.mib_s(args.files * BLOCK, seconds):7.0f} MiB/s, CPU-s/GiB hostd "

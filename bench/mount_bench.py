@@ -10,7 +10,7 @@ One run, for each client thread count (default 1, 8 and 64), stores max(32, thre
                   page cache dropped before loads, so loads come from the disk
   passthrough_ll  libfuse 3.14's example/passthrough_ll.c over a tmpfs directory, built at run
                   time from Debian's source package (never committed) with its default options
-  bluecache       bluecached + bluecache-hostd as processes (as in tests/support.py), the cache
+  bluecache       bluecached + bluecache-hostd as processes (bench/harness.py), the cache
                   mounted; loads come from the DRAM tier
   bluecache_nvme  (load only) the same files after bluecached was restarted (SIGTERM + start,
                   hostd reconnects by itself) and the page cache dropped: every file is promoted
@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import contextlib
 import ctypes
 import datetime
 import glob
@@ -61,19 +60,26 @@ import threading
 import time
 from pathlib import Path
 
+import harness
 import yaml
+from harness import (
+    Bluecached,
+    CpuMeter,
+    GiB,
+    Hostd,
+    KiB,
+    MiB,
+    drop_caches,
+    force_unmount,
+    is_mounted,
+    other_busy_processes,
+)
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))
-sys.path.insert(0, str(ROOT))
-# bluecached and hostd are started with sys.executable -m ...: they must find the packages too.
-os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT),
-                                                         os.environ.get("PYTHONPATH")]))
-
+ROOT = harness.ROOT
+# The connectors' syscall sequences are shared with the mount tests: found in tests/, by path.
+sys.path.append(str(ROOT / "tests"))
 from connectors import block_name, llmd_write  # noqa: E402
-from support import DaemonProcess, HostdProcess, force_unmount, is_mounted  # noqa: E402
 
-KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 READ_PIECE = 8 * MiB          # what tests/connectors.llmd_read asks per read()
 EDGE = 4 * KiB                # cheap check: first and last 4 KiB + length
 PHASE_TIMEOUT = 900           # a phase that takes longer than this is a hang
@@ -85,14 +91,6 @@ ANALYSIS_MARK = "<!-- analysis: kept when the benchmark rewrites this file -->"
 
 
 # -- machine and process accounting --------------------------------------------------------------
-
-
-def cpu_model() -> str:
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    return platform.processor() or "unknown"
 
 
 def fs_type(path: Path) -> str:
@@ -115,126 +113,6 @@ def versions() -> dict:
     r = subprocess.run(["fusermount3", "--version"], capture_output=True, text=True)
     out["fusermount3"] = (r.stdout + r.stderr).strip() or None
     return out
-
-
-def machine_info() -> dict:
-    mem = 0
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemTotal:"):
-                mem = int(line.split()[1]) * KiB
-    return {"platform": platform.platform(), "kernel": platform.release(),
-            "cpu_model": cpu_model(), "cores": os.cpu_count(),
-            "cores_usable": len(os.sched_getaffinity(0)), "memory_bytes": mem,
-            **versions()}
-
-
-def git_revision() -> dict:
-    def git(*args):
-        r = subprocess.run(["git", "-C", str(ROOT), *args], capture_output=True, text=True)
-        return r.stdout.strip() if r.returncode == 0 else None
-    digest = hashlib.sha256()
-    for f in sorted(p for d in ("bluecached", "hostd", "fusefs") for p in (ROOT / d).rglob("*.py")):
-        digest.update(str(f.relative_to(ROOT)).encode() + b"\0" + f.read_bytes())
-    changed = git("status", "--porcelain", "--", "bluecached", "hostd", "fusefs") or ""
-    return {"commit": git("rev-parse", "HEAD"),
-            "tracked_changes": bool(git("status", "--porcelain", "--untracked-files=no")),
-            "daemon_sources_changed": changed.splitlines(),
-            "daemon_sources_sha256": digest.hexdigest()}
-
-
-TICK = os.sysconf("SC_CLK_TCK")
-
-
-def proc_counters(pid: int | None) -> tuple[float, float, int, int] | None:
-    """(user CPU s, system CPU s, minor faults, voluntary+involuntary context switches) of a
-    process (all threads), None if it is gone."""
-    if pid is None:
-        return None
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        switches = 0
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.endswith("ctxt_switches:") or "ctxt_switches" in line:
-                switches += int(line.split()[1])
-    except OSError:
-        return None
-    return int(fields[11]) / TICK, int(fields[12]) / TICK, int(fields[7]), switches
-
-
-def proc_cpu(pid: int | None) -> float | None:
-    c = proc_counters(pid)
-    return None if c is None else c[0] + c[1]
-
-
-def system_busy() -> tuple[float, float]:
-    """(busy, total) jiffies over all CPUs from /proc/stat."""
-    parts = [int(x) for x in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
-    idle = parts[3] + parts[4]
-    return sum(parts) - idle, sum(parts)
-
-
-def other_busy_processes(ours: set[int]) -> list[str]:
-    """Processes other than ours that used CPU recently (ps's lifetime %CPU > 5)."""
-    r = subprocess.run(["ps", "-eo", "pid,pcpu,args", "--sort=-pcpu"], capture_output=True,
-                       text=True)
-    out = []
-    for line in r.stdout.splitlines()[1:]:
-        pid, pcpu, args = line.split(None, 2)
-        if int(pid) in ours or float(pcpu) < 5 or args.startswith("ps "):
-            continue
-        out.append(f"{pcpu}% {args[:120]}")
-    return out[:8]
-
-
-class CpuMeter:
-    """CPU seconds (user + system), minor page faults and context switches of each of our
-    processes during a phase, and how busy the whole machine was."""
-
-    def __init__(self, pids: dict[str, int | None]):
-        self.pids = pids
-
-    def __enter__(self):
-        self.t0 = time.perf_counter()
-        self.before = {k: proc_counters(p) for k, p in self.pids.items()}
-        self.self0 = os.times()
-        self.sys0 = system_busy()
-        return self
-
-    def __exit__(self, *exc):
-        wall = time.perf_counter() - self.t0
-        busy1, total1 = system_busy()
-        self.result = {"wall_s": round(wall, 4)}
-        cpu, sys_cpu, faults, switches = {}, {}, {}, {}
-        for k, p in self.pids.items():
-            a, b = self.before.get(k), proc_counters(p)
-            if a is not None and b is not None:
-                cpu[k] = round(b[0] + b[1] - a[0] - a[1], 3)
-                sys_cpu[k] = round(b[1] - a[1], 3)
-                faults[k] = b[2] - a[2]
-                switches[k] = b[3] - a[3]
-        t1 = os.times()
-        cpu["bench"] = round(t1[0] + t1[1] - self.self0[0] - self.self0[1], 3)
-        sys_cpu["bench"] = round(t1[1] - self.self0[1], 3)
-        self.result.update(cpu_s=cpu, sys_cpu_s=sys_cpu, minor_faults=faults,
-                           context_switches=switches)
-        if total1 > self.sys0[1]:
-            self.result["machine_busy"] = round((busy1 - self.sys0[0]) / (total1 - self.sys0[1]), 3)
-            # CPU seconds everything else on the machine used meanwhile (other users' work,
-            # kernel threads such as writeback): how much the numbers were disturbed
-            ours = sum(v for k, v in cpu.items())
-            self.result["other_cpu_s"] = round(max(0.0, (busy1 - self.sys0[0]) / TICK - ours), 3)
-        return False
-
-
-def drop_caches() -> str | None:
-    os.sync()
-    try:
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("3\n")
-    except OSError as e:
-        return f"echo 3 > /proc/sys/vm/drop_caches: {e.strerror}"
-    return None
 
 
 # -- libfuse's passthrough_ll, built from Debian's source package -------------------------------
@@ -492,13 +370,13 @@ class Bluecache:
     def __init__(self, root: Path, mnt: Path, settings: dict, hostd_settings: dict | None = None):
         self.settings = settings
         self.hostd_settings = hostd_settings or {}
-        self.daemon = DaemonProcess(root, **settings)
+        self.daemon = Bluecached(root, **settings)
         self.mnt = mnt
-        self.hostd: HostdProcess | None = None
+        self.hostd: Hostd | None = None
 
     def start(self) -> None:
         self.daemon.start()
-        self.hostd = HostdProcess(self.daemon, self.mnt, **self.hostd_settings).start()
+        self.hostd = Hostd(self.daemon, self.mnt, **self.hostd_settings).start()
 
     @property
     def pids(self) -> dict:
@@ -537,7 +415,6 @@ class Bluecache:
         t0 = time.perf_counter()
         status = self.daemon.stop()
         stopped = time.perf_counter()
-        self.daemon.notify_messages.clear()  # else start() sees the old READY=1 and returns
         self.daemon.start()
         ready = time.perf_counter()
         deadline = time.monotonic() + 60
@@ -560,19 +437,13 @@ class Bluecache:
                 "ready_to_mount_answers_s": round(answered - ready, 3)}
 
     def stop(self) -> None:
+        """hostd, then bluecached: each SIGTERM, then SIGKILL if it hangs."""
         try:
-            if self.hostd is not None and self.hostd.proc is not None:
-                try:
-                    self.hostd.stop(timeout=30)
-                except subprocess.TimeoutExpired:
-                    self.hostd.kill()
+            if self.hostd is not None:
+                self.hostd.stop(timeout=30)
         finally:
             force_unmount(self.mnt)
-            if self.daemon.proc is not None:
-                try:
-                    self.daemon.stop(timeout=120)
-                except subprocess.TimeoutExpired:
-                    self.daemon.kill()
+            self.daemon.stop(timeout=120)
 
 
 def tier_counters(s: dict) -> dict:
@@ -967,10 +838,9 @@ def profile(bench: Bench, seconds: float, threads: int, files: int, size: int, f
 
 
 def plot(results: dict, path: Path) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = harness.pyplot()
+    if plt is None:
+        return
     points = results["points"]
     fig, axes = plt.subplots(1, 2, figsize=(13, 5))
     for ax, phase in zip(axes, ("store", "load"), strict=True):
@@ -1262,7 +1132,7 @@ def main() -> int:
     results: dict = {
         "benchmark": "mount", "created": datetime.datetime.now().isoformat(timespec="seconds"),
         "command": [Path(sys.executable).name, *sys.argv], "quick": quick,
-        "machine": machine_info(), "git": git_revision(),
+        "machine": harness.machine_info(**versions()), "git": harness.git_revision(),
         "other_processes_at_start": other_busy_processes({os.getpid()}),
         "loadavg_at_start": Path("/proc/loadavg").read_text().split()[:3],
     }
@@ -1341,7 +1211,7 @@ def main() -> int:
         if still:
             print(f"WARNING: still mounted: {still}; left {work} in place", file=sys.stderr)
     results["duration_s"] = round(time.perf_counter() - started, 1)
-    end_digest = git_revision()["daemon_sources_sha256"]
+    end_digest = harness.git_revision()["daemon_sources_sha256"]
     if end_digest != results["git"]["daemon_sources_sha256"]:
         results["git"]["daemon_sources_sha256_at_end"] = end_digest
         notes.append("the daemons' sources changed during the run (sha256 at start "
