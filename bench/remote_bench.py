@@ -35,10 +35,9 @@ docs/benchmarks/remote.{json,png,md}.
 from __future__ import annotations
 
 import argparse
-import datetime
+import errno
 import json
 import os
-import platform
 import shutil
 import statistics
 import subprocess
@@ -47,40 +46,83 @@ import tempfile
 import time
 from pathlib import Path
 
+import harness
 import yaml
+from harness import Bluecached, Hostd, MiB, force_unmount
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))
-sys.path.insert(0, str(ROOT))
+from bluecached.namespace import ROOT_INO
+from bluecached.shm import SharedRegion
+from bluecached.tiers.s3 import load_credentials, make_client
 
-from bluecached.tiers.s3 import load_credentials, make_client  # noqa: E402
+ROOT = harness.ROOT
+# The Ceph cluster and the connectors' syscall sequences are test tooling shared with the
+# remote-tier tests: found in tests/, by path.
+sys.path.append(str(ROOT / "tests"))
 from ceph_cluster import CephCluster  # noqa: E402
 from connectors import block_name, llmd_read, llmd_write  # noqa: E402
-from support import DaemonProcess, FileClient, HostdProcess, force_unmount  # noqa: E402
 
-MiB = 1 << 20
 OBJECT = 32 * MiB
 NOTES = ROOT / "docs" / "benchmarks" / "remote-notes.md"   # the analysis, kept by hand
 
 
-def machine() -> dict:
-    model = "unknown"
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            model = line.split(":", 1)[1].strip()
-            break
+def versions() -> dict:
     import boto3
     import botocore
     ceph = subprocess.run(["ceph", "--version"], capture_output=True, text=True).stdout.strip()
-    commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True,
-                            text=True).stdout.strip()
-    mem = int(Path("/proc/meminfo").read_text().split()[1]) * 1024
-    return {"platform": platform.platform(), "cpu_model": model, "cores": os.cpu_count(),
-            "memory_bytes": mem, "python": platform.python_version(), "boto3": boto3.__version__,
-            "botocore": botocore.__version__, "ceph": ceph, "commit": commit}
+    return {"boto3": boto3.__version__, "botocore": botocore.__version__, "ceph": ceph}
 
 
-def remote_stats(daemon: DaemonProcess) -> dict:
+class ObjectClient:
+    """Whole objects through the protocol, as hostd moves a file's bytes: one registered region
+    of OBJECT bytes, parent directories made on the way."""
+
+    def __init__(self, daemon: Bluecached):
+        self.client = daemon.client()
+        self.channel = daemon.regions()
+        self.shm = SharedRegion(OBJECT)
+        self.region = self.channel.register(self.shm)
+
+    def _walk(self, parts: list[bytes], make: bool) -> int:
+        ino = ROOT_INO
+        for part in parts:
+            if make:
+                try:
+                    ino = self.client.call("mkdir", parent=ino, name=part, mode=0o755, uid=0,
+                                           gid=0)["ino"]
+                    continue
+                except OSError as e:
+                    if e.errno != errno.EEXIST:
+                        raise
+            ino = self.client.call("lookup", parent=ino, name=part)["ino"]
+        return ino
+
+    def put(self, path: str, data: bytes) -> None:
+        *dirs, name = [p.encode() for p in path.strip("/").split("/")]
+        opened = self.client.call("create", parent=self._walk(dirs, True), name=name,
+                                  mode=0o644, uid=0, gid=0,
+                                  flags=os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        self.shm.view[:len(data)] = data
+        self.client.call("write", fh=opened["fh"], offset=0, length=len(data),
+                         region=self.region, region_offset=0)
+        self.client.call("release", fh=opened["fh"])
+
+    def get(self, path: str) -> bytes:
+        ino = self._walk([p.encode() for p in path.strip("/").split("/")], False)
+        fh = self.client.call("open", ino=ino, flags=os.O_RDONLY)["fh"]
+        try:
+            n = self.client.call("read", fh=fh, offset=0, length=OBJECT, region=self.region,
+                                 region_offset=0)["length"]
+        finally:
+            self.client.call("release", fh=fh)
+        return bytes(self.shm.view[:n])
+
+    def close(self) -> None:
+        self.client.close()
+        self.channel.close()
+        self.shm.close()
+
+
+def remote_stats(daemon: Bluecached) -> dict:
     client = daemon.client()
     try:
         return client.call("stats")["remote"]
@@ -88,7 +130,7 @@ def remote_stats(daemon: DaemonProcess) -> dict:
         client.close()
 
 
-def wait_uploads(daemon: DaemonProcess, count: int, timeout: float = 300) -> None:
+def wait_uploads(daemon: Bluecached, count: int, timeout: float = 300) -> None:
     client = daemon.client()
     try:
         deadline = time.monotonic() + timeout
@@ -109,7 +151,7 @@ def data_for(i: int) -> bytes:
     return bytes(body)
 
 
-def read_into_region(fc: FileClient, parent: int, name: str) -> float:
+def read_into_region(fc: ObjectClient, parent: int, name: str) -> float:
     """lookup + open + one read into the client's region + release: the bytes land in memory
     the client owns, as a raw GET's do (the check happens outside the timed part). Returns
     the seconds the lookup took."""
@@ -126,9 +168,9 @@ def read_into_region(fc: FileClient, parent: int, name: str) -> float:
     return looked_up
 
 
-def per_object(s3, s3_unsigned, bucket: str, a: DaemonProcess, b: DaemonProcess,
+def per_object(s3, s3_unsigned, bucket: str, a: Bluecached, b: Bluecached,
                count: int) -> dict:
-    fa, fb = FileClient(a, region_size=OBJECT), FileClient(b, region_size=OBJECT)
+    fa, fb = ObjectClient(a), ObjectClient(b)
     times = {k: [] for k in ("raw_put", "raw_put_unsigned", "store_upload", "store_only",
                              "raw_get", "remote_fetch", "daemon_upload", "daemon_fetch",
                              "remote_lookup")}
@@ -148,7 +190,7 @@ def per_object(s3, s3_unsigned, bucket: str, a: DaemonProcess, b: DaemonProcess,
 
             up0 = remote_stats(a)["upload_seconds"]
             t0 = time.perf_counter()
-            fa.put(f"/objects/{i}", data, step=OBJECT)
+            fa.put(f"/objects/{i}", data)
             times["store_only"].append(time.perf_counter() - t0)
             wait_uploads(a, i + 2)
             times["store_upload"].append(time.perf_counter() - t0)
@@ -176,7 +218,7 @@ def per_object(s3, s3_unsigned, bucket: str, a: DaemonProcess, b: DaemonProcess,
             "ratio_get": med["raw_get"] / med["remote_fetch"]}
 
 
-def write_prefix(a_mnt: Path, a: DaemonProcess, first: int, blocks: int) -> list[str]:
+def write_prefix(a_mnt: Path, a: Bluecached, first: int, blocks: int) -> list[str]:
     names = [block_name(first + i) for i in range(blocks)]
     before = remote_stats(a)["uploads"]
     for i, name in enumerate(names):
@@ -189,8 +231,8 @@ def check(got: bytes, i: int, name: str) -> None:
     assert len(got) == OBJECT and got[:64] == f"object {i:06d}".encode().ljust(64, b"."), name
 
 
-def prefix_read(s3, bucket: str, a_mnt: Path, b_mnt: Path, a: DaemonProcess,
-                b: DaemonProcess, blocks: int) -> dict:
+def prefix_read(s3, bucket: str, a_mnt: Path, b_mnt: Path, a: Bluecached,
+                b: Bluecached, blocks: int) -> dict:
     names = write_prefix(a_mnt, a, 10_000, blocks)
     t0 = time.perf_counter()
     for name in names:
@@ -214,10 +256,7 @@ def prefix_read(s3, bucket: str, a_mnt: Path, b_mnt: Path, a: DaemonProcess,
             "b_remote_stats": remote_stats(b)}
 
 
-def plot(results: dict, path: Path) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+def plot(plt, results: dict, path: Path) -> None:
     med = results["per_object"]["median_s"]
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
     labels = ["upload", "fetch"]
@@ -267,7 +306,7 @@ def summary(label: str, results: dict) -> dict:
             "ratio_interleaved": p["ratio_interleaved"]}
 
 
-def write_md(results: dict, path: Path) -> None:
+def markdown(results: dict) -> str:
     o, p, m = results["per_object"], results["prefix_read"], results["machine"]
     med = {k: f"{v * 1000:.0f} ms" for k, v in o["median_s"].items()}
     upload = (f"| upload | PUT {med['raw_put']} | store + upload {med['store_upload']} "
@@ -281,10 +320,11 @@ def write_md(results: dict, path: Path) -> None:
             f"each | {p['host_b_read_s']:.2f} s | {p['ratio']:.2f} |")
     interleaved = (f"| interleaved: exists, open, read, block by block (another prefix) | "
                    f"{p['host_b_interleaved_s']:.2f} s | {p['ratio_interleaved']:.2f} |")
-    path.write_text(f"""# Remote tier benchmark (bench/remote_bench.py)
+    return f"""# Remote tier benchmark (bench/remote_bench.py)
 
-Run {results['when']} on {m['cpu_model']}, {m['cores']} cores, {m['memory_bytes'] >> 30} GiB,
-{m['platform']}; {m['ceph']}; boto3 {m['boto3']}. Single-node Ceph (memstore OSD, radosgw on
+Run {results['created']} on {m['host']}: {m['cpu_model']}, {m['cores']} cores,
+{m['memory_bytes'] >> 30} GiB, Linux {m['kernel']}; {m['ceph']}; boto3 {m['boto3']}; git
+{results['git']['commit']}. Single-node Ceph (memstore OSD, radosgw on
 loopback) on the same machine as both bluecache instances and the client: every number
 includes Ceph's own CPU use on the same 2 cores. Nothing here ran on a BlueField DPU.
 
@@ -317,7 +357,7 @@ client's region while the rest still arrives. `json`: every sample.
 
 ![remote tier](remote.png)
 
-{NOTES.read_text() if NOTES.exists() else ""}""")
+{NOTES.read_text() if NOTES.exists() else ""}"""
 
 
 def main() -> int:
@@ -359,14 +399,14 @@ def main() -> int:
                     "tiers.nvme.segment_size": "1GiB"}
         settings.update((k, yaml.safe_load(v)) for k, v in (kv.split("=", 1) for kv in args.set))
         for name in ("a", "b"):
-            d = DaemonProcess(work / name, remote=remote, **settings).start()
-            h = HostdProcess(d, work / f"mnt-{name}").start()
+            d = Bluecached(work / name, remote=remote, **settings).start()
+            h = Hostd(d, work / f"mnt-{name}").start()
             stacks.append((d, h))
         (a, _), (b, _) = stacks
-        results = {"when": datetime.datetime.now().isoformat(timespec="seconds"),
-                   "machine": machine(), "remote_settings": {k: v for k, v in remote.items()
-                                                             if k != "credentials_file"},
-                   "daemon_settings": settings}
+        results = harness.run_info("remote_bench", **versions())
+        results.update({"remote_settings": {k: v for k, v in remote.items()
+                                            if k != "credentials_file"},
+                        "daemon_settings": settings})
         unsigned = make_client(cluster.endpoint, "us-east-1", load_credentials(creds), None, True,
                                "path", 30, 10, sign_payload=False)
         results["per_object"] = per_object(s3, unsigned, "bench", a, b, args.objects)
@@ -384,9 +424,8 @@ def main() -> int:
     results["baselines"] = [summary(label, json.loads(Path(file).read_text()))
                             for label, file in (b.split("=", 1) for b in args.baseline)]
     results["baselines"].append(summary("this run", results))
-    (out / "remote.json").write_text(json.dumps(results, indent=1) + "\n")
-    plot(results, out / "remote.png")
-    write_md(results, out / "remote.md")
+    harness.write_results(out, "remote", results, markdown(results),
+                          lambda plt, path: plot(plt, results, path), indent=1)
     o, p = results["per_object"], results["prefix_read"]
     print(f"upload ratio {o['ratio_put']:.2f}, fetch ratio {o['ratio_get']:.2f}, "
           f"prefix read {p['host_b_read_s']:.2f}s vs raw {p['raw_io_s']:.2f}s "
