@@ -194,6 +194,21 @@ from bluecached.wire import protocol  # noqa: E402
 from bluecached.wire.client import RegionChannel, SyncClient  # noqa: E402
 
 
+def start_supervised(name: str, module: str, config: Path, notify: Path, log: Path,
+                     env: dict | None = None) -> Supervised:
+    """A daemon started as systemd starts it, its config file given."""
+    return Supervised(name, python_module(module, "--config", str(config)), notify, log=log,
+                      env=env).start()
+
+
+def wait_ready(process: Supervised, log: Path, timeout: float) -> None:
+    """Until it said READY=1; RuntimeError with its log if it did not."""
+    try:
+        process.wait_ready(timeout)
+    except NotReady as e:
+        raise RuntimeError(f"{e}:\n" + log.read_text()) from None
+
+
 class DaemonProcess:
     """bluecached started the way systemd starts it: its own process, a config file, and a
     NOTIFY_SOCKET on which the test reads READY=1."""
@@ -221,13 +236,9 @@ class DaemonProcess:
 
     def start(self, timeout: float = 30, env: dict | None = None) -> "DaemonProcess":
         """Starts it and waits for READY=1 (a restart waits for the new process's)."""
-        self.process = Supervised("bluecached", python_module("bluecached.daemon", "--config",
-                                                              str(self.config)),
-                                  self.root / "notify.sock", log=self.log, env=env).start()
-        try:
-            self.process.wait_ready(timeout)
-        except NotReady as e:
-            raise RuntimeError(f"{e}:\n" + self.log.read_text()) from None
+        self.process = start_supervised("bluecached", "bluecached.daemon", self.config,
+                                        self.root / "notify.sock", self.log, env)
+        wait_ready(self.process, self.log, timeout)
         return self
 
     @property
@@ -348,13 +359,9 @@ class HostdProcess:
         self.process: Supervised | None = None
 
     def start(self, timeout: float = 30) -> "HostdProcess":
-        self.process = Supervised("hostd", python_module("hostd.daemon", "--config",
-                                                         str(self.config)),
-                                  self.root / "hostd-notify.sock", log=self.log).start()
-        try:
-            self.process.wait_ready(timeout)
-        except NotReady as e:
-            raise RuntimeError(f"{e}:\n" + self.log.read_text()) from None
+        self.process = start_supervised("hostd", "hostd.daemon", self.config,
+                                        self.root / "hostd-notify.sock", self.log)
+        wait_ready(self.process, self.log, timeout)
         return self
 
     @property
