@@ -3,8 +3,8 @@
 Writes N FILE records of 32 MiB objects (half folded into a snapshot, half left as journal
 appends), then times loading them back and rebuilding the extent allocator from them.
 
-    python bench/index_rebuild.py --objects 100000 --out-dir docs/benchmarks
-        # -> index_rebuild.json and index_rebuild.md
+    python bench/index_rebuild.py --objects 100000 --out docs/benchmarks/index_rebuild.json
+        # and index_rebuild.md beside it
 """
 
 import argparse
@@ -83,7 +83,9 @@ def markdown(out: dict) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--objects", type=int, default=100_000)
-    ap.add_argument("--out-dir", type=Path, default=harness.ROOT / "docs/benchmarks")
+    ap.add_argument("--out", type=Path,
+                    default=harness.ROOT / "docs/benchmarks/index_rebuild.json",
+                    help="the JSON; the Markdown goes beside it (.md)")
     ap.add_argument("--dir", type=Path, help="work directory (default: a temporary one)")
     args = ap.parse_args()
     out = harness.run_info("index_rebuild")
@@ -96,7 +98,7 @@ def main() -> None:
         with tempfile.TemporaryDirectory(prefix="bench-index-") as tmp:
             out.update(run(args.objects, Path(tmp)))
     print({k: out[k] for k in ("objects", "load_s", "rebuild_s", "total_s")})
-    harness.write_results(args.out_dir, "index_rebuild", out, markdown(out))
+    harness.write_results(args.out.parent, args.out.stem, out, markdown(out))
 
 
 if __name__ == "__main__":

@@ -683,7 +683,7 @@ def offline_index_rebuild(objects: int, work: Path, notes: list[str]) -> dict:
     out = work / "index_rebuild.json"
     t0 = time.perf_counter()
     proc = subprocess.run([sys.executable, str(script), "--objects", str(objects),
-                           "--dir", str(work / "index_rebuild"), "--out-dir", str(work)],
+                           "--dir", str(work / "index_rebuild"), "--out", str(out)],
                           capture_output=True, text=True, cwd=ROOT)
     wall = time.perf_counter() - t0
     shutil.rmtree(work / "index_rebuild", ignore_errors=True)
