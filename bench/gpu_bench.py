@@ -241,22 +241,16 @@ def main() -> int:
         "seconds": round(time.time() - started, 1)})
     print(json.dumps({"ratios": ratios, "targets_met": targets_met, "bytes_ok": bytes_ok},
                      indent=2))
-    labels = ["cuMemcpy, pinned", "ioctl (zero-copy)", "POSIX fed from pinned"]
-    title = (f"{args.size_mib} MiB blocks on {device}\nioctl store = "
-             f"{ratios['ioctl_store_vs_cumemcpy_dtoh']}x cuMemcpy DtoH, load = "
-             f"{ratios['ioctl_load_vs_cumemcpy_htod']}x HtoD")
-    markdown = harness.markdown_head(
-        "GPU memory to and from the cache", out,
-        f"{args.blocks} blocks of {args.size_mib} MiB, best of {args.rounds}, on {device}.")
-    markdown += harness.store_load_table(results, labels) + harness.targets_lines(targets_met)
-    markdown += [f"IPC handle open + close per request: median {ipc['median_us']} µs, max "
-                 f"{ipc['max_us']} µs, {ipc['share_of_block_dtoh']:.1%} of one block's "
-                 f"cuMemcpy DtoH. Bytes checked after the round trip: "
-                 f"{'ok' if bytes_ok else 'DIFFERENT'}."]
-    harness.write_results(out_dir, "gpu", out, "\n".join(markdown),
-                          lambda plt, path: harness.store_load_bars(
-                              plt, path, results, labels, ("store (DtoH)", "load (HtoD)"),
-                              title))
+    harness.write_block_results(
+        out_dir, "gpu", out, "GPU memory to and from the cache",
+        ["cuMemcpy, pinned", "ioctl (zero-copy)", "POSIX fed from pinned"],
+        ("store (DtoH)", "load (HtoD)"),
+        f"{args.size_mib} MiB blocks on {device}\nioctl store = "
+        f"{ratios['ioctl_store_vs_cumemcpy_dtoh']}x cuMemcpy DtoH, load = "
+        f"{ratios['ioctl_load_vs_cumemcpy_htod']}x HtoD",
+        [f"IPC handle open + close per request: median {ipc['median_us']} µs, max "
+         f"{ipc['max_us']} µs, {ipc['share_of_block_dtoh']:.1%} of one block's cuMemcpy DtoH. "
+         f"Bytes checked after the round trip: {'ok' if bytes_ok else 'DIFFERENT'}."])
     return 0 if bytes_ok else 1
 
 

@@ -365,32 +365,35 @@ class Hostd:
 
 
 
-# -- store/load results: one table and one chart for the block benches -------------------------
+# -- store/load results of the block benches (ioctl_bench, gpu_bench) ---------------------------
 
 
-def store_load_table(results: dict, labels: list[str]) -> list[str]:
-    """Markdown rows: MiB/s of each target's store and load (results[target]["store_mib_s"])."""
-    lines = ["| target | store MiB/s | load MiB/s |", "|---|---|---|"]
-    for label, r in zip(labels, results.values(), strict=True):
-        lines.append(f"| {label} | {r['store_mib_s']} | {r['load_mib_s']} |")
-    return lines + [""]
+def write_block_results(out_dir: Path, name: str, out: dict, heading: str, labels: list[str],
+                        phases: tuple[str, str], chart_title: str, notes: list[str] = ()) -> None:
+    """NAME.json/.md/.png of a bench that stores and loads `out["blocks"]` blocks per target:
+    out["results_mib_s"][target] = {"store_mib_s", "load_mib_s"}, one `labels` entry each;
+    `phases` names store and load in the chart's legend."""
+    results = out["results_mib_s"]
+    lines = markdown_head(heading, out, f"{out['blocks']} blocks of {out['block_mib']} MiB, "
+                                        f"best of {out['rounds']}, on {out['machine']['device']}.")
+    lines += ["| target | store MiB/s | load MiB/s |", "|---|---|---|"]
+    lines += [f"| {label} | {r['store_mib_s']} | {r['load_mib_s']} |"
+              for label, r in zip(labels, results.values(), strict=True)]
+    lines += [""] + [f"- {goal}: {'met' if met else 'NOT met'}"
+                     for goal, met in out["targets_met"].items()] + [""] + list(notes)
 
+    def bars(plt, path: Path) -> None:
+        fig, ax = plt.subplots(figsize=(7, 4))
+        for i, (key, phase) in enumerate(zip(("store_mib_s", "load_mib_s"), phases,
+                                             strict=True)):
+            vals = [r[key] for r in results.values()]
+            drawn = ax.bar([x + i * 0.38 for x in range(len(vals))], vals, 0.38, label=phase)
+            ax.bar_label(drawn, fmt="%.0f", fontsize=8)
+        ax.set_xticks([x + 0.19 for x in range(len(labels))], labels)
+        ax.set_ylabel("MiB/s")
+        ax.set_title(chart_title, fontsize=9)
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(path, dpi=110)
 
-def targets_lines(targets_met: dict) -> list[str]:
-    return [f"- {goal}: {'met' if met else 'NOT met'}" for goal, met in targets_met.items()] + [""]
-
-
-def store_load_bars(plt, path: Path, results: dict, labels: list[str], phases: tuple[str, str],
-                    title: str) -> None:
-    """Grouped bars: each target's store and load MiB/s, labelled `phases` in the legend."""
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for i, (key, phase) in enumerate(zip(("store_mib_s", "load_mib_s"), phases, strict=True)):
-        vals = [r[key] for r in results.values()]
-        bars = ax.bar([x + i * 0.38 for x in range(len(vals))], vals, 0.38, label=phase)
-        ax.bar_label(bars, fmt="%.0f", fontsize=8)
-    ax.set_xticks([x + 0.19 for x in range(len(labels))], labels)
-    ax.set_ylabel("MiB/s")
-    ax.set_title(title, fontsize=9)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    write_results(out_dir, name, out, "\n".join(lines), bars)

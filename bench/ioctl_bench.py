@@ -129,18 +129,12 @@ def main() -> int:
                 "results_mib_s": results, "ratios": ratios, "targets_met": targets_met,
                 "seconds": round(time.time() - started, 1)})
     print(json.dumps({"ratios": ratios, "targets_met": targets_met}, indent=2))
-    labels = ["ioctl (zero-copy)", "POSIX via mount", "tmpfs direct"]
-    title = (f"{args.size_mib} MiB blocks, {os.cpu_count()} cores, loopback engine\n"
-             f"ioctl store = {ratios['ioctl_store_vs_posix_store']}x POSIX, "
-             f"{ratios['ioctl_store_vs_tmpfs_write']}x tmpfs")
-    markdown = harness.markdown_head(
-        "Zero-copy ioctl vs the POSIX path vs tmpfs", out,
-        f"{args.blocks} blocks of {args.size_mib} MiB, best of {args.rounds}; "
-        f"{out['machine']['device']}.")
-    markdown += harness.store_load_table(results, labels) + harness.targets_lines(targets_met)
-    harness.write_results(args.out_dir, "ioctl", out, "\n".join(markdown),
-                          lambda plt, path: harness.store_load_bars(
-                              plt, path, results, labels, ("store", "load"), title))
+    harness.write_block_results(
+        args.out_dir, "ioctl", out, "Zero-copy ioctl vs the POSIX path vs tmpfs",
+        ["ioctl (zero-copy)", "POSIX via mount", "tmpfs direct"], ("store", "load"),
+        f"{args.size_mib} MiB blocks, {os.cpu_count()} cores, loopback engine\n"
+        f"ioctl store = {ratios['ioctl_store_vs_posix_store']}x POSIX, "
+        f"{ratios['ioctl_store_vs_tmpfs_write']}x tmpfs")
     return 0
 
 
