@@ -155,12 +155,13 @@ def main() -> int:
     dram = f"{max(2 * total_mib, 512)}MiB"
     daemon = Bluecached(work / "d", **{"tiers.dram.size": dram, "tiers.nvme.size": "8GiB",
                                        "tiers.nvme.segment_size": "1GiB"})
+    hostd = Hostd(daemon, work / "mnt")   # stopped in finally, whatever failed
     started = time.time()
     results: dict[str, dict[str, float]] = {}
     dev = pinned = None
     try:
         daemon.start()
-        hostd = Hostd(daemon, work / "mnt").start()
+        hostd.start()
         mnt = work / "mnt"
         dev, pinned = DeviceBlock(cuda, size), PinnedBlock(cuda, size)
         pinned.view[:] = pattern("gpu-bench", size)
@@ -211,6 +212,7 @@ def main() -> int:
             dev.free()
         if pinned is not None:
             pinned.free()
+        hostd.stop()
         daemon.stop()
         force_unmount(work / "mnt")
         shutil.rmtree(work, ignore_errors=True)

@@ -72,13 +72,14 @@ def main() -> int:
     dram = f"{max(2 * args.blocks * args.size_mib, 512)}MiB"
     daemon = Bluecached(work / "d", **{"tiers.dram.size": dram, "tiers.nvme.size": "8GiB",
                                        "tiers.nvme.segment_size": "1GiB"})
+    hostd = Hostd(daemon, work / "mnt")   # stopped in finally, whatever failed
     out = harness.run_info("ioctl_bench", device="no GPU (embedded mode, loopback engine: "
                                                  "memfd + memcpy)")
     started = time.time()
     results: dict[str, dict[str, float]] = {}
     try:
         daemon.start()
-        hostd = Hostd(daemon, work / "mnt").start()
+        hostd.start()
         mnt = work / "mnt"
         buf = SharedBuffer(size)
         buf.view()[:] = pattern("bench", size)
@@ -109,6 +110,7 @@ def main() -> int:
         buf.close()
         hostd.stop()
     finally:
+        hostd.stop()
         daemon.stop()
         force_unmount(work / "mnt")
         shutil.rmtree(work, ignore_errors=True)
