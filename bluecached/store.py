@@ -16,7 +16,7 @@ import trio
 from . import crc
 from .namespace import ROOT_INO, FsError, Inode, Namespace
 from .tiers import index
-from .tiers.dram import CHUNK_SIZE
+from .tiers.dram import CHUNK_SIZE, Chunks
 from .tiers.objects import StoredObject, chunk_count, views
 from .tiers.placement import Tiers
 
@@ -33,6 +33,7 @@ class Handle:
     node: Inode
     writable: bool
     session: int
+    backed: bool = False   # its client holds the object's memfd (`backing`)
 
 
 def _writable(flags: int) -> bool:
@@ -178,6 +179,7 @@ class Store:
 
     def _set_size(self, node: Inode, size: int) -> None:
         self.tiers.resize_dirty(node, size)
+        self.tiers.set_length(node.obj, size)
         self.logical_bytes += size - node.size
         node.size = size
 
@@ -310,18 +312,15 @@ class Store:
             obj.remote_info = None
             self.tiers.begin_modify(node)
             if obj.chunks is None:
-                obj.chunks = []
+                obj.chunks = Chunks()
                 self.tiers.mark_resident(node)
             keep = chunk_count(size)
             if size < node.size:
                 dropped = obj.chunks[keep:]
                 del obj.chunks[keep:]
                 self.tiers.give_chunks(obj, dropped)
-                # Past EOF is zero: clear the rest of the chunk the new end falls in, if it has
-                # one (a file grown by truncate has fewer chunks than its size: a hole).
-                tail = size % CHUNK_SIZE
-                if tail and len(obj.chunks) == keep and obj.chunks[-1] is not None:
-                    obj.chunks[-1][tail:] = bytes(CHUNK_SIZE - tail)
+            # In place, never a new memfd (a passthrough reader may hold this one): past the
+            # new EOF reads as zeros because the memfd is cut there (Tiers.set_length).
             self._set_size(node, size)
         self.tiers.queue_writeback(node)
 
@@ -489,20 +488,21 @@ class Store:
             first, last = offset // CHUNK_SIZE, (end - 1) // CHUNK_SIZE
             if len(obj.chunks) <= last:
                 obj.chunks.extend([None] * (last + 1 - len(obj.chunks)))
-            missing = [i for i in range(first, last + 1) if obj.chunks[i] is None]
-            whole = [i for i in missing
-                     if offset <= i * CHUNK_SIZE and (i + 1) * CHUNK_SIZE <= end]
-            partial = [i for i in missing if i not in whole]
-            for i, c in zip(whole, await self.tiers.take_chunks(len(whole), zero=False),
-                            strict=True):
-                obj.chunks[i] = c
-            for i, c in zip(partial, await self.tiers.take_chunks(len(partial)), strict=True):
-                obj.chunks[i] = c
-            self.tiers.pin(obj)
+            self.tiers.memfd_of(obj)
+            if end > node.size:   # the memfd grows first: a page past its EOF faults
+                self.tiers.set_length(obj, end)
             try:
-                await self.engine.to_store(region, region_offset, views(obj.chunks, offset, length))
-            finally:
-                self.tiers.unpin(obj)
+                missing = [i for i in range(first, last + 1) if obj.chunks[i] is None]
+                await self.tiers.take_windows(obj.chunks, missing)
+                self.tiers.pin(obj)
+                try:
+                    await self.engine.to_store(region, region_offset,
+                                               views(obj.chunks, offset, length))
+                finally:
+                    self.tiers.unpin(obj)
+            except BaseException:
+                self.tiers.set_length(obj, node.size)
+                raise
             if end > node.size:
                 self._set_size(node, end)
             node.mtime_ns = node.ctime_ns = self.clock()
@@ -520,29 +520,53 @@ class Store:
         self._check_size(length)
         node = handle.node
         obj = node.obj
-        chunks = await self.tiers.take_chunks(chunk_count(length), zero=False)
+        chunks = await self.tiers.take_content(length)
         try:
             if length:
                 await self.engine.to_store(region, region_offset, views(chunks, 0, length))
         except BaseException:
-            for c in chunks:
-                self.tiers.dram.give(c)
+            self.tiers.discard_content(chunks)
             raise
-        tail = length % CHUNK_SIZE
-        if tail:
-            chunks[-1][tail:] = bytes(CHUNK_SIZE - tail)  # past EOF reads as zeros
         async with obj.content_lock():
             obj.remote_info = None
             self.tiers.begin_modify(node)
-            old, obj.chunks = obj.chunks, chunks
-            if old is not None:
-                self.tiers.give_chunks(obj, old)
+            if obj.backed and obj.chunks is not None:
+                # A passthrough reader holds the memfd: it must keep seeing this file, so the
+                # bytes go into it, in place (as a write would), not into a new memfd.
+                await self._copy_in_place(node, chunks, length)
+            else:
+                old, obj.chunks = obj.chunks, chunks
+                if old is not None:
+                    self.tiers.give_chunks(obj, old)
             self.tiers.mark_resident(node)
             self._set_size(node, length)
             node.mtime_ns = node.ctime_ns = self.clock()
             obj.version += 1
         self.tiers.note_foreground_write()   # write-behind waits for a pause in STOREs too
         return length
+
+    async def _copy_in_place(self, node: Inode, content: Chunks, length: int) -> None:
+        """Makes the object's own chunks hold `content` (then given back), its size still to
+        be set by the caller. Caller holds the content lock."""
+        obj = node.obj
+        count = chunk_count(length)
+        self.tiers.memfd_of(obj, spare=False)
+        if length > node.size:
+            self.tiers.set_length(obj, length)
+        if len(obj.chunks) < count:
+            obj.chunks.extend([None] * (count - len(obj.chunks)))
+        await self.tiers.take_windows(obj.chunks, [i for i in range(count)
+                                                   if obj.chunks[i] is None])
+        self.tiers.pin(obj)
+        try:
+            await trio.to_thread.run_sync(_copy_pairs, views(obj.chunks, 0, length),
+                                          views(content, 0, length))
+        finally:
+            self.tiers.unpin(obj)
+        self.tiers.discard_content(content)
+        dropped = obj.chunks[count:]
+        del obj.chunks[count:]
+        self.tiers.give_chunks(obj, dropped)
 
     async def checksum(self, fh: int) -> tuple[int, Inode]:
         """CRC32C of the whole content (QUERY), and the inode it describes."""
@@ -575,6 +599,36 @@ class Store:
                 if not await self.tiers.writeback(node) and obj.dirty and node.parent is not None:
                     raise FsError(errno.EIO, f"{why}: writing the file to NVMe failed")
 
+    def backing(self, fh: int) -> tuple[int, int]:
+        """A read-only fd of the object's memfd and its size, for a client that hands it to
+        its kernel as a FUSE passthrough backing file; it holds the fd until it releases the
+        handle. ENODATA (serve through the daemon, the open stays good) unless the object is
+        complete and in DRAM: written by nobody, no writer's temporary, not being changed."""
+        handle = self._handle(fh)
+        node = handle.node
+        obj = node.obj
+        why = None
+        if handle.writable or obj.writers:
+            why = "open for writing"
+        elif obj.chunks is None or obj.arrival is not None or obj.remote_info is not None:
+            why = "not in DRAM"
+        elif node.ino in self.tmp_inos:
+            why = "a writer's temporary file"
+        elif obj.lock is not None and obj.lock.locked():
+            why = "being changed"
+        if why is None:
+            memfd = self.tiers.memfd_of(obj, spare=False)
+            self.tiers.set_length(obj, node.size)
+            if memfd.size != node.size:   # a copy still reads past the end: not yet
+                why = "its memory is being resized"
+        if why is not None:
+            raise FsError(errno.ENODATA, f"no backing: serve through the daemon ({why})")
+        fd = memfd.open_readonly()
+        if not handle.backed:
+            handle.backed = True
+            obj.backed += 1
+        return fd, node.size
+
     def release(self, fh: int) -> None:
         handle = self.handles.pop(fh, None)
         if handle is None:
@@ -582,12 +636,15 @@ class Store:
         node = handle.node
         obj = node.obj
         obj.opens -= 1
+        if handle.backed:
+            obj.backed -= 1
         if handle.writable:
             obj.writers -= 1
             if not obj.writers:
                 self.tiers.queue_writeback(node)
                 if self.remote is not None:
                     self.remote.admit(node, "written")
+        self.tiers.fit_memfd(obj)   # complete now, maybe: a spare's rest is let go
         self._maybe_destroy(node)
 
     def reference(self, ino: int) -> None:
@@ -779,6 +836,11 @@ class Store:
 
     def root(self) -> Inode:
         return self.ns.inodes[ROOT_INO]
+
+
+def _copy_pairs(destinations: list, sources: list) -> None:
+    for dst, src in zip(destinations, sources, strict=True):   # chunk-aligned alike
+        dst[:] = src
 
 
 class RemoteView:

@@ -1,11 +1,21 @@
-"""DRAM tier: a bounded pool of page-aligned 1 MiB chunks.
+"""DRAM tier: each object's bytes in a memfd of its own, worked on as 1 MiB chunks.
 
-Object bytes live in fixed chunks rather than one buffer per object: a FUSE write (at most
-1 MiB) touches one or two chunks, files can grow without reallocating, and a list of page-aligned
-chunks is what pwritev/preadv with O_DIRECT want. Freed chunks are kept for reuse, so a busy
-cache does not pay mmap + page faults for every object.
+A memfd per object lets hostd hand the kernel the object itself as a FUSE passthrough backing
+file (the `backing` op): a cache hit is then read by the kernel from this memory, with no
+request reaching either daemon. The file offset is the object offset, and the memfd's size is
+the object's size whenever a reader could see it (passthrough reads stop at its EOF).
+
+The rest of the daemon still works on chunks: chunk i is an mmap of the 1 MiB window at
+i*CHUNK_SIZE of the object's memfd. A FUSE write (at most 1 MiB) touches one or two chunks,
+files grow without reallocating, and a list of page-aligned chunks is what pwritev/preadv
+with O_DIRECT and the DMA engines want. The pool's capacity is counted in chunks.
+
+Touching a mapped page wholly past the memfd's EOF raises SIGBUS: the memfd grows before a
+chunk is written and shrinks only where nothing touches the cut pages (Tiers.fit_memfd).
 """
 
+import contextlib
+import ctypes
 import logging
 import mmap
 import os
@@ -14,12 +24,116 @@ import time
 import trio
 
 CHUNK_SIZE = 1 << 20
+PAGE_SIZE = mmap.PAGESIZE
 
 log = logging.getLogger("bluecached.tiers.dram")
 
 
 def physical_memory() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+class Memfd:
+    """One object's memfd: `size` is the file's size now, `length` the object's size as last
+    told (they differ only while Tiers.fit_memfd must wait: see there). Windows mapped ahead
+    of need (a spare's) wait in `ahead` until the object takes them."""
+
+    __slots__ = ("fd", "size", "length", "ahead")
+
+    def __init__(self, size: int = 0):
+        # CLOEXEC: hostd gets it only through the `backing` op, never by inheritance. No
+        # seals: the file grows and shrinks with the object.
+        self.fd = os.memfd_create("bluecache-object", os.MFD_CLOEXEC)
+        self.size = self.length = 0
+        self.ahead: dict[int, mmap.mmap] = {}
+        if size:
+            self.resize(size)
+
+    def resize(self, size: int) -> None:
+        os.ftruncate(self.fd, size)
+        self.size = size
+        for index in [i for i in self.ahead if i * CHUNK_SIZE >= size]:
+            self.ahead.pop(index).close()   # no longer inside the file: never touched
+
+    def clear_from(self, offset: int) -> None:
+        """Bytes from `offset` on become zeros (pages freed) without changing the size: for a
+        shrink that must wait while someone copies. A copy in progress then reads zeros past
+        that point, never faults (the pages are still inside the file)."""
+        if offset < self.size:
+            _punch_hole(self.fd, offset, self.size - offset)
+
+    def window(self, index: int) -> mmap.mmap:
+        """Chunk `index`: the 1 MiB window at index*CHUNK_SIZE, mapped shared."""
+        chunk = self.ahead.pop(index, None)
+        if chunk is not None:
+            return chunk
+        end = (index + 1) * CHUNK_SIZE
+        if self.size >= end:
+            return mmap.mmap(self.fd, CHUNK_SIZE, offset=index * CHUNK_SIZE)
+        # Python's mmap refuses a window past the file's end (Linux maps it; only touching it
+        # faults): the file is that long just for the mmap call. Nothing touches the window
+        # meanwhile, so shrinking back cuts no page in use.
+        os.ftruncate(self.fd, end)
+        try:
+            return mmap.mmap(self.fd, CHUNK_SIZE, offset=index * CHUNK_SIZE)
+        finally:
+            os.ftruncate(self.fd, self.size)
+
+    def drop_ahead(self) -> None:
+        """Unmaps windows mapped ahead that the object never took (and frees their pages:
+        they are holes of the file)."""
+        for index, chunk in self.ahead.items():
+            chunk.close()
+            start = index * CHUNK_SIZE
+            if start < self.size:
+                _punch_hole(self.fd, start, min(CHUNK_SIZE, self.size - start))
+        self.ahead.clear()
+
+    def open_readonly(self) -> int:
+        """A new read-only open of the file (for a reader that must not write it)."""
+        return os.open(f"/proc/self/fd/{self.fd}", os.O_RDONLY | os.O_CLOEXEC)
+
+    def close(self) -> None:
+        """The memory goes once the windows are unmapped, unless another process still has
+        the file open (hostd, for a passthrough handle): then when it closes it."""
+        for chunk in self.ahead.values():
+            chunk.close()
+        self.ahead.clear()
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+_PUNCH_HOLE = 0x02 | 0x01   # FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE (os has neither)
+
+
+def _punch_hole(fd: int, offset: int, length: int) -> None:
+    """Frees the pages of [offset, offset+length) (they read as zeros), size unchanged."""
+    if _libc_fallocate(fd, _PUNCH_HOLE, offset, length) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err))
+
+
+def _load_fallocate():
+    libc = ctypes.CDLL(None, use_errno=True)
+    fn = libc.fallocate
+    fn.argtypes = (ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64)
+    fn.restype = ctypes.c_int
+    return fn
+
+
+_libc_fallocate = _load_fallocate()
+
+
+class Chunks(list):
+    """An object's chunks (None = a hole, zeros in the memfd too) and the memfd they are
+    windows of (None until the first chunk of an empty object is taken)."""
+
+    __slots__ = ("memfd",)
+
+    def __init__(self, chunks=(), memfd: Memfd | None = None):
+        super().__init__(chunks)
+        self.memfd = memfd
 
 
 class DramPool:
@@ -32,11 +146,11 @@ class DramPool:
             log.warning("the DRAM tier (tiers.dram.size, %d MiB) is larger than this machine's "
                         "memory (%d MiB): it will never fill without the OOM killer stepping in",
                         self.capacity >> 20, memory >> 20)
-        self._free: list[mmap.mmap] = []
+        self._spares: list[Memfd] = []   # memfds with windows mapped ahead (map_ahead)
         self._in_use = 0
         # Told before a chunk is unmapped (a DMA engine may hold a registration on it).
         self.before_unmap = before_unmap
-        self._taken = trio.Event()   # set by take(): map_ahead tops the free list up
+        self._taken = trio.Event()   # set by take(): map_ahead tops the spares up
         self.last_take = -1e9        # time.monotonic() of the last take
 
     @property
@@ -47,71 +161,80 @@ class DramPool:
     def free_chunks(self) -> int:
         return self.capacity // CHUNK_SIZE - self._in_use
 
-    def take(self, zero: bool = True) -> mmap.mmap | None:
-        """A chunk, or None when the tier is full (the caller evicts and retries).
+    @property
+    def _free(self) -> list[mmap.mmap]:
+        """The chunks mapped ahead and not taken yet (in the spares)."""
+        return [c for spare in self._spares for c in spare.ahead.values()]
 
-        zero=False is for a caller that overwrites the whole chunk at once.
-        """
+    def new_memfd(self, size: int | None = None) -> Memfd:
+        """A memfd for an object's content, `size` bytes long, a spare's (pages faulted in
+        ahead) where there is one. None: an empty object about to be written, which takes a
+        spare as it is (zeros past the object's end, trimmed when it is complete)."""
+        if self._spares and size != 0:
+            self._taken.set()
+            memfd = self._spares.pop()
+            if size is not None:
+                memfd.resize(size)
+        else:
+            memfd = Memfd(size or 0)
+        memfd.length = size or 0
+        return memfd
+
+    def take(self, memfd: Memfd, index: int) -> mmap.mmap | None:
+        """Chunk `index` of the memfd, or None when the tier is full (the caller evicts and
+        retries). It reads as zeros: holes and fresh file space are."""
         if self._in_use >= self.capacity // CHUNK_SIZE:
             return None
         self._in_use += 1
         self._taken.set()
         self.last_take = time.monotonic()
-        if self._free:
-            chunk = self._free.pop()
-            if zero:
-                chunk[:] = _ZEROS
-            return chunk
-        return mmap.mmap(-1, CHUNK_SIZE)  # anonymous maps are born zeroed
+        return memfd.window(index)
 
     def missing_chunks(self) -> int:
-        """Chunks of the capacity not mapped yet (neither in use nor kept free)."""
+        """Chunks of the capacity not mapped yet (neither in use nor mapped ahead)."""
         return self.capacity // CHUNK_SIZE - self._in_use - len(self._free)
 
-    def add_free(self, chunks: list[mmap.mmap]) -> None:
-        """Chunks mapped ahead of need (map_ahead): kept up to the capacity."""
-        for chunk in chunks:
-            if self.missing_chunks() > 0:
-                self._free.append(chunk)
-            else:
-                self._unmap(chunk)
+    def add_spare(self, memfd: Memfd) -> None:
+        """A memfd mapped ahead of need (map_ahead): kept while within the capacity."""
+        if self.missing_chunks() >= len(memfd.ahead):
+            self._spares.append(memfd)
+        else:
+            memfd.close()
 
     def give(self, chunk: mmap.mmap) -> None:
         self._in_use -= 1
-        if len(self._free) < self.capacity // CHUNK_SIZE - self._in_use:
-            self._free.append(chunk)
-        else:  # capacity shrank: let it go
-            self._unmap(chunk)
+        self._unmap(chunk)
 
     def _unmap(self, chunk: mmap.mmap) -> None:
         if self.before_unmap is not None:
             self.before_unmap(chunk)
-        chunk.close()
+        try:
+            chunk.close()
+        except BufferError:   # a view of it still lives: unmapped when that goes
+            pass
 
     def close(self) -> None:
-        for chunk in self._free:
-            self._unmap(chunk)
-        self._free.clear()
+        for spare in self._spares:
+            spare.close()
+        self._spares.clear()
 
 
-_ZEROS = bytes(CHUNK_SIZE)
-_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
-MAP_AHEAD_BATCH = 64   # chunks mapped per worker-thread call
-MAP_AHEAD_QUIET_S = 0.05   # a pause in takes this long lets map_ahead top the free list up
+SPARE_CHUNKS = 32          # the windows of one spare memfd: a typical 32 MiB KV block
+MAP_AHEAD_QUIET_S = 0.05   # a pause in takes this long lets map_ahead top the spares up
 
 
 async def map_ahead(pool: DramPool, ahead_bytes: int) -> None:
-    """Keeps at least `ahead_bytes` of chunks mapped and touched in the free list (freed
-    chunks count: they are warm), so that no request pays the page faults of fresh memory.
-    It tops the list up in a worker thread once takes pause for MAP_AHEAD_QUIET_S: mapping
+    """Keeps at least `ahead_bytes` of chunks mapped and touched ahead of need, in spare
+    memfds that new objects take, so that no request pays the page faults of fresh memory.
+    It tops them up in a worker thread once takes pause for MAP_AHEAD_QUIET_S: mapping
     costs the CPU the kernel spends zeroing pages, which a burst of writes needs more.
     Memory committed: what is in use plus that much; `ahead_bytes` >= the capacity maps the
     whole tier at once."""
     ahead = ahead_bytes // CHUNK_SIZE
     while True:
         while (missing := min(pool.missing_chunks(), ahead - len(pool._free))) > 0:
-            pool.add_free(await trio.to_thread.run_sync(populated_chunks,
-                                                        min(MAP_AHEAD_BATCH, missing)))
+            pool.add_spare(await trio.to_thread.run_sync(populated_memfd,
+                                                         min(SPARE_CHUNKS, missing)))
         pool._taken = trio.Event()
         await pool._taken.wait()
         # Until takes pause. Polled, not woken by each take: a burst takes a chunk per 1 MiB
@@ -121,14 +244,14 @@ async def map_ahead(pool: DramPool, ahead_bytes: int) -> None:
             await trio.sleep(MAP_AHEAD_QUIET_S - quiet)
 
 
-def populated_chunks(count: int) -> list[mmap.mmap]:
-    """Chunks whose pages the kernel has already supplied (blocking: a worker thread's job):
-    a first write to a fresh chunk otherwise takes 256 page faults on the request's path."""
-    chunks = []
-    for _ in range(count):
-        chunk = mmap.mmap(-1, CHUNK_SIZE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _POPULATE)
-        if not _POPULATE:
-            for page in range(0, CHUNK_SIZE, mmap.PAGESIZE):
-                chunk[page] = 0
-        chunks.append(chunk)
-    return chunks
+def populated_memfd(count: int) -> Memfd:
+    """A spare memfd of `count` chunks whose pages the kernel has already supplied and mapped
+    (blocking: a worker thread's job): a first write to fresh memory otherwise takes 256 page
+    faults per chunk on the request's path."""
+    memfd = Memfd(count * CHUNK_SIZE)
+    with contextlib.suppress(OSError):   # where fallocate is refused, MAP_POPULATE faults
+        os.posix_fallocate(memfd.fd, 0, count * CHUNK_SIZE)
+    for index in range(count):
+        memfd.ahead[index] = mmap.mmap(memfd.fd, CHUNK_SIZE, mmap.MAP_SHARED | mmap.MAP_POPULATE,
+                                       offset=index * CHUNK_SIZE)
+    return memfd

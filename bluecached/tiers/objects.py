@@ -1,10 +1,11 @@
-"""A regular file's bytes and where they live (DRAM chunks, an NVMe extent, or both)."""
+"""A regular file's bytes and where they live (DRAM: chunks of its memfd; an NVMe extent; or
+both)."""
 
 import mmap
 
 import trio
 
-from .dram import CHUNK_SIZE
+from .dram import CHUNK_SIZE, Chunks
 from .nvme import Extent
 
 # Never written: the source for holes in sparse files, on reads and on write-behind.
@@ -13,7 +14,8 @@ ZERO_CHUNK = mmap.mmap(-1, CHUNK_SIZE)
 
 class StoredObject:
     __slots__ = (
-        "chunks",      # list of chunk buffers (None = hole), or None when not in DRAM
+        "chunks",      # Chunks: windows of the object's memfd (None = hole), or None when
+                       # not in DRAM
         "dirty",       # DRAM holds content that is not on NVMe
         "extent",      # NVMe placement of the persisted content, if any
         "crcs",        # CRC32C per chunk of the persisted content (packed little-endian u32)
@@ -21,6 +23,7 @@ class StoredObject:
         "version",     # bumped on every change: write-behind discards a copy that raced one
         "opens",       # open handles
         "writers",     # open handles with write access
+        "backed",      # open handles whose client holds the memfd (the `backing` op)
         "pins",        # operations touching the chunks right now (copies, write-behind)
         "deferred",    # chunks freed while pinned, returned to the pool at unpin
         "lock",        # serialises changes to the content (write, truncate, promotion)
@@ -32,7 +35,7 @@ class StoredObject:
     )
 
     def __init__(self):
-        self.chunks: list | None = []
+        self.chunks: Chunks | None = Chunks()
         self.dirty = False
         self.extent: Extent | None = None
         self.crcs = b""
@@ -40,6 +43,7 @@ class StoredObject:
         self.version = 0
         self.opens = 0
         self.writers = 0
+        self.backed = 0
         self.pins = 0
         self.deferred: list = []
         self.lock: trio.Lock | None = None

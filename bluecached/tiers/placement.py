@@ -1,5 +1,9 @@
 """Where object bytes live: DRAM chunks, NVMe extents, and the moves between them.
 
+An object in DRAM is a memfd of its own (tiers/dram.py); once hostd holds it as a passthrough
+backing file (`StoredObject.backed`), nothing here replaces it with another: the object is
+open, so eviction skips it, and promotion and remote fetches only fill objects not in DRAM.
+
 Write-behind (DRAM -> NVMe), promotion (NVMe -> DRAM, checksum verified), eviction by
 watermarks in LRU order, and the index journal that makes NVMe contents survive restarts.
 Removing an object from the namespace is the store's business: the tiers ask it through
@@ -19,7 +23,7 @@ from .. import crc
 from ..log_limit import LogLimiter
 from ..namespace import FsError, Inode
 from . import index
-from .dram import CHUNK_SIZE, DramPool
+from .dram import CHUNK_SIZE, PAGE_SIZE, Chunks, DramPool, Memfd
 from .journal import Journal
 from .nvme import SegmentStore
 from .objects import ZERO_CHUNK, StoredObject, chunk_count
@@ -85,8 +89,11 @@ def read_and_verify(nvme: SegmentStore, extent, chunks: list, size: int, crcs: b
         n = min(CHUNK_SIZE, size - i * CHUNK_SIZE)
         if crc32c.crc32c(memoryview(chunk)[:n]) != expected[i]:
             return i
-        if n < CHUNK_SIZE:  # past the end reads as zeros (the disk holds padding there)
-            chunk[n:] = bytes(CHUNK_SIZE - n)
+        if n < CHUNK_SIZE:
+            # Past the end reads as zeros (the disk holds padding there). Only within the page
+            # that holds the end: a memfd's pages past its EOF fault (SIGBUS) when touched.
+            pad_end = min(CHUNK_SIZE, -(-n // PAGE_SIZE) * PAGE_SIZE)
+            chunk[n:pad_end] = bytes(pad_end - n)
     return -1
 
 
@@ -149,7 +156,12 @@ class Tiers:
         self._space = trio.Event()
 
     def give_chunks(self, obj: StoredObject, chunks) -> None:
-        """Returns chunks to the pool, later if an operation still reads them."""
+        """Returns chunks to the pool, later if an operation still reads them. A whole
+        content (Chunks) also closes its memfd: the pages live on while any window is mapped
+        (a reader still copying) or another process holds the file (hostd, for a handle
+        released after the object left DRAM)."""
+        if isinstance(chunks, Chunks) and chunks.memfd is not None:
+            chunks.memfd.close()
         chunks = [c for c in chunks if c is not None]
         if obj.pins:
             obj.deferred.extend(chunks)
@@ -164,15 +176,58 @@ class Tiers:
 
     def unpin(self, obj: StoredObject) -> None:
         obj.pins -= 1
-        if obj.pins == 0 and obj.deferred:
-            deferred, obj.deferred = obj.deferred, []
-            self.give_chunks(obj, deferred)
+        if obj.pins == 0:
+            if obj.deferred:
+                deferred, obj.deferred = obj.deferred, []
+                self.give_chunks(obj, deferred)
+            self.fit_memfd(obj)
+
+    # -- the memfd's size ------------------------------------------------------------------
+
+    def memfd_of(self, obj: StoredObject, spare: bool = True) -> Memfd:
+        """The resident object's memfd, made for an empty one (from a spare when it is about
+        to be written)."""
+        chunks = obj.chunks
+        if chunks.memfd is None:
+            chunks.memfd = self.dram.new_memfd(None if spare else 0)
+        return chunks.memfd
+
+    def set_length(self, obj: StoredObject, size: int) -> None:
+        """The object's size changed: its memfd follows (fit_memfd)."""
+        memfd = obj.chunks.memfd if obj.chunks is not None else None
+        if memfd is None:
+            return
+        shrinking = size < memfd.length
+        memfd.length = size
+        if shrinking and not self._may_trim(obj):
+            memfd.clear_from(size)   # what was cut off reads as zeros at once
+        self.fit_memfd(obj)
+
+    @staticmethod
+    def _may_trim(obj: StoredObject) -> bool:
+        # Pinned: a copy may be touching the pages a shrink would cut (SIGBUS). Being written
+        # and held by no passthrough reader: the rest of a spare is room for the writes to
+        # come (its pages faulted in ahead), trimmed once the object is complete.
+        return not obj.pins and (not obj.writers or obj.backed > 0)
+
+    def fit_memfd(self, obj: StoredObject) -> None:
+        """Makes the memfd's size the object's, as soon as that is safe (a passthrough reader
+        stops at the memfd's EOF, so it must not see more or less than the object)."""
+        memfd = obj.chunks.memfd if obj.chunks is not None else None
+        if memfd is None or memfd.size == memfd.length:
+            return
+        if memfd.size < memfd.length:
+            memfd.resize(memfd.length)
+        elif self._may_trim(obj):
+            if not obj.writers:
+                memfd.drop_ahead()
+            memfd.resize(memfd.length)
 
     def drop_dram(self, node: Inode) -> None:
         obj = node.obj
         if obj.chunks is not None:
             chunks, obj.chunks = obj.chunks, None
-            self.give_chunks(obj, chunks)
+            self.give_chunks(obj, chunks)   # hostd's fd, if any, keeps the pages (an open handle)
         self.lru_dram.pop(node.ino, None)
         if obj.dirty:
             obj.dirty = False
@@ -257,47 +312,59 @@ class Tiers:
             n.obj.dirty and not n.obj.writers and n.parent is not None
             for n in self.lru_dram.values())
 
-    async def take_chunks(self, count: int, zero: bool = True) -> list:
-        """`count` chunks, evicting to make room. ENOSPC only when nothing can be evicted:
-        every resident object is open, in flight, or dirty with no NVMe room to go to."""
-        got = []
-        try:
-            while len(got) < count:
-                chunk = self.dram.take(zero)
-                if chunk is not None:
-                    got.append(chunk)
-                elif not self._evict_dram_one():
+    async def take_windows(self, chunks: Chunks, indices) -> None:
+        """Fills chunks[i] for each index with that window of their memfd (zeros), evicting to
+        make room. ENOSPC only when nothing can be evicted: every resident object is open, in
+        flight, or dirty with no NVMe room to go to. What was taken stays on failure."""
+        for i in indices:
+            while (chunk := self.dram.take(chunks.memfd, i)) is None:
+                if not self._evict_dram_one():
                     await self._wait_for_writeback()
-        except BaseException:
-            for c in got:
-                self.dram.give(c)
-            raise
+            chunks[i] = chunk
         if self.dram.used_bytes > self.dram_marks.high * self.dram.capacity:
             self._pressure.set()
-        return got
 
-    def try_take_chunks(self, count: int) -> list | None:
-        """`count` unzeroed chunks now, evicting clean objects NVMe also holds (least recently
-        used first) if need be, or None (nothing taken) where that would mean waiting: for
-        speculative work (a prefetch) that must neither stall nor push out data no tier below
-        holds."""
-        got = []
-        while len(got) < count:
-            chunk = self.dram.take(False)
-            if chunk is not None:
-                got.append(chunk)
-                continue
-            victim = next((n for n in self._evictable_dram()
-                           if not n.obj.dirty and n.obj.persisted), None)
-            if victim is None:
-                for c in got:
-                    self.dram.give(c)
-                return None
-            self.stats.dram.evictions += 1
-            self.drop_dram(victim)
+    async def take_content(self, size: int) -> Chunks:
+        """A new content of `size` bytes: a memfd that long and all its chunks (zeros)."""
+        count = chunk_count(size)
+        chunks = Chunks([None] * count, self.dram.new_memfd(size))
+        try:
+            await self.take_windows(chunks, range(count))
+        except BaseException:
+            self.discard_content(chunks)
+            raise
+        return chunks
+
+    def try_take_content(self, size: int) -> Chunks | None:
+        """A new content of `size` bytes now (as take_content), evicting clean objects NVMe
+        also holds (least recently used first) if need be, or None (nothing taken) where that
+        would mean waiting: for speculative work (a prefetch) that must neither stall nor push
+        out data no tier below holds."""
+        count = chunk_count(size)
+        chunks = Chunks([None] * count, self.dram.new_memfd(size))
+        for i in range(count):
+            while (chunk := self.dram.take(chunks.memfd, i)) is None:
+                victim = next((n for n in self._evictable_dram()
+                               if not n.obj.dirty and n.obj.persisted), None)
+                if victim is None:
+                    self.discard_content(chunks)
+                    return None
+                self.stats.dram.evictions += 1
+                self.drop_dram(victim)
+            chunks[i] = chunk
         if self.dram.used_bytes > self.dram_marks.high * self.dram.capacity:
             self._pressure.set()
-        return got
+        return chunks
+
+    def discard_content(self, chunks: Chunks) -> None:
+        """Gives back a content no object holds (nobody reads it)."""
+        if chunks.memfd is not None:
+            chunks.memfd.close()
+        for c in chunks:
+            if c is not None:
+                self.dram.give(c)
+        if chunks:
+            self._signal_space()
 
     async def _wait_for_writeback(self) -> None:
         if self._writeback_can_help():
@@ -328,8 +395,7 @@ class Tiers:
         self.stats.dram.misses += 1
         if obj.extent is None and node.size:
             raise FsError(errno.EIO, f"inode {node.ino} has no content in any tier")
-        n = chunk_count(node.size)
-        chunks = await self.take_chunks(n, zero=False)
+        chunks = await self.take_content(node.size)
         if obj.extent is None:  # an empty file
             obj.chunks = chunks
             self.mark_resident(node)
@@ -340,14 +406,12 @@ class Tiers:
                 read_and_verify, self.nvme, obj.extent, chunks, node.size, obj.crcs)
         except OSError as e:
             self.unpin(obj)
-            for c in chunks:
-                self.dram.give(c)
+            self.discard_content(chunks)
             log.error("reading inode %d from NVMe failed: %s", node.ino, e)
             raise FsError(errno.EIO, f"NVMe read failed: {e}") from None
         self.unpin(obj)
         if bad >= 0:
-            for c in chunks:
-                self.dram.give(c)
+            self.discard_content(chunks)
             self.stats.checksum_failures += 1
             log.error("checksum mismatch in inode %d (%s) chunk %d: object removed",
                       node.ino, node.name, bad)

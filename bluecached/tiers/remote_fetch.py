@@ -118,7 +118,7 @@ class RemoteFetcher:
         if self.unread_bytes() + size > self.prefetch_budget():
             self._want_prefetch(node)   # waits for room in the queue, HEAD-style
             return False
-        chunks = self.tiers.try_take_chunks(chunk_count(size))
+        chunks = self.tiers.try_take_content(size)
         if chunks is None:   # DRAM pressure: leave it to the reader
             self.stats.prefetches_dropped += 1
             return False
@@ -207,7 +207,7 @@ class RemoteFetcher:
             store.remove_object(node, "remote tier unreachable")
             raise failed(f"unreachable: {self.link.last_error}")
         if chunks is None:
-            chunks = await tiers.take_chunks(chunk_count(size), zero=False)
+            chunks = await tiers.take_content(size)
         arrival.started(chunks)
         token = trio.lowlevel.current_trio_token()
 
@@ -244,10 +244,7 @@ class RemoteFetcher:
             arrival.fail("the file was removed while it was fetched")
             tiers.give_chunks(obj, chunks)
             raise FsError(errno.ENOENT, "the file was removed while it was fetched")
-        tail = size % CHUNK_SIZE
-        if tail:
-            chunks[-1][tail:] = bytes(CHUNK_SIZE - tail)   # past EOF reads as zeros
-        obj.chunks = chunks
+        obj.chunks = chunks   # past EOF is zeros: the memfd ends there
         obj.remote_info = None
         if obj.arrival is arrival:
             obj.arrival = None
@@ -333,7 +330,7 @@ class RemoteFetcher:
                     self.stats.prefetches_dropped += 1
                     continue
                 self._prefetch_queue.popleft()
-                chunks = self.tiers.try_take_chunks(chunk_count(node.size))
+                chunks = self.tiers.try_take_content(node.size)
                 if chunks is None:   # DRAM pressure: leave it to the reader
                     self.stats.prefetches_dropped += 1
                     continue
