@@ -1,5 +1,5 @@
-"""Imports run one way: hostd may import bluecached, bluecached never imports hostd or fusefs
-(it ships alone on the DPU), and the application library hostd.zerocopy carries nothing of the
+"""Imports run one way: hostd may import bluecached and fusefs, bluecached never imports hostd or
+fusefs (it ships alone on the DPU), fusefs neither of them, and the application library hostd.zerocopy carries nothing of the
 daemons with it."""
 
 import ast
@@ -53,6 +53,16 @@ def test_bluecached_imports_neither_hostd_nor_fusefs():
              if module.split(".")[0] in ("hostd", "fusefs")]
     assert not wrong, wrong
     assert "hostd.embedded" in imported_modules(ROOT / "bluecached" / "ctl.py")
+
+
+def test_fusefs_imports_neither_hostd_nor_bluecached():
+    """The kernel boundary defines the interfaces it needs (Cache, Transfers, StagingSlots);
+    hostd implements them and hands them in."""
+    wrong = [f"{path.relative_to(ROOT)}: {module}"
+             for path in sorted((ROOT / "fusefs").rglob("*.py"))
+             for module in imported_modules(path)
+             if module.split(".")[0] in ("hostd", "bluecached")]
+    assert not wrong, wrong
 
 
 def test_zerocopy_imports_only_the_ioctl_abi_and_shared_memory():
