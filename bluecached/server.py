@@ -26,13 +26,24 @@ log = logging.getLogger("bluecached.server")
 
 
 class Session:
-    __slots__ = ("id", "client", "known", "last_seen")
+    __slots__ = ("id", "client", "known", "last_seen", "local")
 
-    def __init__(self, sid: int, client: str):
+    def __init__(self, sid: int, client: str, local: bool = False):
         self.id = sid
         self.client = client
+        self.local = local   # on the unix socket: replies may carry file descriptors
         self.last_seen = trio.current_time()
         self.known: dict[int, int] = {}   # inode -> entries sent and not yet forgotten
+
+
+class WithFd:
+    """A result whose reply carries a file descriptor (SCM_RIGHTS), closed here once sent."""
+
+    __slots__ = ("result", "fd")
+
+    def __init__(self, result: dict, fd: int):
+        self.result = result
+        self.fd = fd
 
 
 class ControlServer:
@@ -122,11 +133,14 @@ class ControlServer:
         self.requests += 1
         self._nursery.start_soon(self._serve, identity, request)
 
-    def _reply(self, identity: bytes, payload: bytes) -> None:
+    def _reply(self, identity: bytes, payload: bytes, fd: int | None = None) -> None:
         peer = self._peers.get(identity)
         if peer is not None:
-            peer.send(payload)
-        elif not identity.startswith(b"local-"):
+            peer.send(payload, fd)
+            return
+        if fd is not None:
+            os.close(fd)   # the client went away before its reply
+        if not identity.startswith(b"local-"):
             self._pump.send([identity, payload])
 
     async def _serve(self, identity: bytes, request: protocol.Request) -> None:
@@ -146,7 +160,11 @@ class ControlServer:
             log.exception("internal error serving %s", request.op)
             self._reply(identity, protocol.encode_error(request.id, errno.EIO, "internal error"))
         else:
-            self._reply(identity, protocol.encode_reply(request.id, result))
+            if isinstance(result, WithFd):
+                self._reply(identity, protocol.encode_reply(request.id, result.result),
+                            result.fd)
+            else:
+                self._reply(identity, protocol.encode_reply(request.id, result))
 
     # -- operations ------------------------------------------------------------------------
 
@@ -183,7 +201,8 @@ class ControlServer:
         previous = self.sessions.get(identity)
         if previous is not None:
             self._end_session(previous)
-        session = Session(next(self._session_ids), args.get("client", ""))
+        session = Session(next(self._session_ids), args.get("client", ""),
+                          local=identity in self._peers)
         self.sessions[identity] = session
         return {"version": max(common), "server": f"bluecached {__version__}",
                 "incarnation": self.incarnation, "session": session.id,
@@ -192,7 +211,7 @@ class ControlServer:
                 "max_file_size": self.store.max_file_size,
                 # optional arguments this daemon knows, for clients newer than the protocol
                 # version they share with it
-                "features": ["kill_suidgid"]}
+                "features": ["kill_suidgid", "backing"]}
 
     async def op_ping(self, session) -> dict:
         return {}
@@ -308,6 +327,17 @@ class ControlServer:
     async def op_fsync(self, session, fh) -> dict:
         await self.store.fsync(fh)
         return {}
+
+    async def op_backing(self, session, fh) -> WithFd:
+        """The open file's memfd, for hostd to make it the FUSE passthrough backing file of
+        this handle. ENODATA means "serve it through the daemon" (hostd then does as without
+        passthrough; the open itself stands): an object not complete in DRAM, and every
+        request over zmq, which carries no file descriptors (DPU mode: another machine)."""
+        if not session.local:
+            raise FsError(errno.ENODATA, "no backing: file descriptors pass only over the "
+                                         "local unix socket")
+        fd, size = self.store.backing(fh)
+        return WithFd({"size": size}, fd)
 
     async def op_release(self, session, fh) -> dict:
         self.store.release(fh)

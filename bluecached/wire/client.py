@@ -94,6 +94,12 @@ class AsyncClient(Handshaking):
             del self._waiting[rid]
         return _result(slot[1])
 
+    async def backing(self, fh: int, timeout: float | None = None) -> tuple[int, int]:
+        """Never over zmq (it carries no file descriptors; in DPU mode the memory is on
+        another machine): ENODATA, serve it through the daemon, without asking it."""
+        raise RemoteError(errno.ENODATA, "no backing: file descriptors pass only over the "
+                                         "local unix socket")
+
     def fail_pending(self, err: int, message: str) -> None:
         """Wakes every caller still waiting with an error (the daemon went away: their
         replies will never come)."""

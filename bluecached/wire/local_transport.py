@@ -10,6 +10,7 @@ writer task drains what a full socket made wait); hostd's callers send straight 
 own tasks, and one task reads the replies.
 """
 
+import array
 import errno
 import itertools
 import logging
@@ -41,25 +42,88 @@ class LocalPeer:
         self.raw.setblocking(False)
         self._waiting = 0
 
-    def send(self, payload: bytes) -> None:
+    def send(self, payload: bytes, fd: int | None = None) -> None:
+        """Sends a reply, with `fd` attached (SCM_RIGHTS) if given; the fd is closed here
+        once sent (the client has its own copy then) or when it cannot be."""
         if not self._waiting:
             try:
-                self.raw.send(payload)
-                return
+                _send_with_fd(self.raw, payload, fd)
             except BlockingIOError:
                 pass
             except OSError:
+                _close(fd)
                 return  # the client is gone; the reader notices and cleans up
+            else:
+                _close(fd)
+                return
         self._waiting += 1
-        self._send.send_nowait(payload)
+        self._send.send_nowait((payload, fd))
 
     async def write_replies(self) -> None:
-        async for payload in self._outbox:
-            await self.sock.send(payload)
+        async for payload, fd in self._outbox:
+            try:
+                while True:
+                    try:
+                        _send_with_fd(self.raw, payload, fd)
+                        break
+                    except BlockingIOError:
+                        await trio.lowlevel.wait_writable(self.raw)
+            finally:
+                _close(fd)
             self._waiting -= 1
 
     def close(self) -> None:
         self.raw.close()
+        while True:   # replies never sent: their fds
+            try:
+                _, fd = self._outbox.receive_nowait()
+            except (trio.WouldBlock, trio.ClosedResourceError, trio.EndOfChannel):
+                return
+            _close(fd)
+
+
+def _send_with_fd(sock: socket.socket, payload: bytes, fd: int | None) -> None:
+    if fd is None:
+        sock.send(payload)
+    else:
+        sock.sendmsg([payload], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [fd]))])
+
+
+def _close(fd: int | None) -> None:
+    if fd is not None:
+        os.close(fd)
+
+
+def _close_all(fds) -> None:
+    for fd in fds:
+        os.close(fd)
+
+
+# Room for a few fds per reply (one is all the protocol sends); extras the kernel closes.
+_FD_SPACE = socket.CMSG_SPACE(4 * array.array("i").itemsize)
+
+
+async def _datagrams_with_fds(raw: socket.socket, max_bytes: int):
+    """As _datagrams, each message with the fds it carried (SCM_RIGHTS): (frame, fds)."""
+    taken = 0
+    while True:
+        try:
+            frame, ancillary, _, _ = raw.recvmsg(max_bytes, _FD_SPACE, socket.MSG_CMSG_CLOEXEC)
+        except BlockingIOError:
+            await trio.lowlevel.wait_readable(raw)
+            continue
+        fds = []
+        for level, kind, data in ancillary:
+            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                usable = len(data) - len(data) % array.array("i").itemsize
+                fds.extend(array.array("i", data[:usable]))
+        if not frame:
+            _close_all(fds)
+            return
+        yield frame, fds
+        taken += 1
+        if taken % 64 == 0:
+            await trio.lowlevel.checkpoint()
 
 
 async def _datagrams(raw: socket.socket, max_bytes: int):
@@ -138,8 +202,8 @@ class LocalClient(Handshaking):
                 continue
             self._sock = raw
             try:
-                async for frame in _datagrams(raw, self.MAX_REPLY):
-                    self._on_reply(frame)
+                async for frame, fds in _datagrams_with_fds(raw, self.MAX_REPLY):
+                    self._on_reply(frame, fds)
             except OSError:
                 pass
             finally:
@@ -147,15 +211,20 @@ class LocalClient(Handshaking):
                 raw.close()
                 self.fail_pending(errno.ECONNRESET, "connection to bluecached closed")
 
-    def _on_reply(self, frame: bytes) -> None:
+    def _on_reply(self, frame: bytes, fds: list[int]) -> None:
         try:
             reply = protocol.decode_reply(frame, self.MAX_REPLY)
         except protocol.ProtocolError:
+            _close_all(fds)
             return
         slot = self._waiting.get(reply.get("id"))
-        if slot is not None:
-            slot[1] = reply
-            slot[0].set()
+        if slot is None or slot[1] is not None:
+            _close_all(fds)   # nobody waits for it (timed out, cancelled)
+            return
+        if fds:
+            reply["fds"] = fds
+        slot[1] = reply
+        slot[0].set()
 
     def fail_pending(self, err: int, message: str) -> None:
         for slot in self._waiting.values():
@@ -164,6 +233,27 @@ class LocalClient(Handshaking):
                 slot[0].set()
 
     async def call(self, op: str, timeout: float | None = None, **args):
+        reply = await self._exchange(op, timeout, args)
+        _close_all(reply.pop("fds", ()))   # none expected
+        return _result(reply)
+
+    async def backing(self, fh: int, timeout: float | None = None) -> tuple[int, int]:
+        """The object's memfd behind open handle `fh`, as (fd, size): the caller owns the fd
+        and closes it when it releases the handle. RemoteError ENODATA: serve it through the
+        daemon (the handle stays good)."""
+        reply = await self._exchange("backing", timeout, {"fh": fh})
+        fds = reply.pop("fds", [])
+        try:
+            result = _result(reply)
+            if len(fds) != 1:
+                raise RemoteError(errno.ENODATA, f"backing: the reply carried {len(fds)} fds")
+        except BaseException:
+            _close_all(fds)
+            raise
+        return fds[0], result["size"]
+
+    async def _exchange(self, op: str, timeout: float | None, args: dict) -> dict:
+        """Sends a request and returns its reply as it came (fds included)."""
         sock = self._sock
         if sock is None:
             raise RemoteError(errno.ECONNREFUSED, f"bluecached is not listening at "
@@ -185,9 +275,13 @@ class LocalClient(Handshaking):
             raise RemoteError(errno.ETIMEDOUT, f"{op}: no reply within {timeout}s") from None
         except OSError as e:
             raise RemoteError(errno.ECONNRESET, f"{op}: {e}") from None
+        except BaseException:   # cancelled: an fd that came meanwhile is nobody's
+            if slot[1] is not None:
+                _close_all(slot[1].pop("fds", ()))
+            raise
         finally:
             del self._waiting[rid]
-        return _result(slot[1])
+        return slot[1]
 
 
 def _no_deadline():

@@ -58,6 +58,7 @@ OPS: dict[str, tuple[dict, dict]] = {
     "flush": ({"fh": U64}, {}),
     "fsync": ({"fh": U64}, {}),
     "release": ({"fh": U64}, {}),
+    "backing": ({"fh": U64}, {}),   # the reply carries an fd: local socket only
     "unlink": (_PARENT_NAME, {}),
     "discard": ({"ino": U64}, {}),
     "rmdir": (_PARENT_NAME, {}),

@@ -1,0 +1,89 @@
+"""The `backing` op against a real bluecached: the file's memfd arrives over the local unix
+socket (SCM_RIGHTS), read-only and byte-exact; over zmq the answer is always ENODATA."""
+
+import errno
+import os
+import stat
+
+import pytest
+import trio
+
+from bluecached.namespace import ROOT_INO
+from bluecached.wire import protocol
+from bluecached.wire.client import AsyncClient, RemoteError
+from bluecached.wire.local_transport import LocalClient
+from support import FileClient, MiB, pattern
+
+
+async def _local_client(d, nursery) -> LocalClient:
+    client = LocalClient(protocol.state_dir_endpoints(str(d.state_dir))["local"], "test")
+    await nursery.start(client.run)
+    with trio.fail_after(10):
+        while True:
+            try:
+                await client.handshake(timeout=2)
+                return client
+            except RemoteError:
+                await trio.sleep(0.05)
+
+
+def test_the_memfd_arrives_over_the_local_socket_byte_exact(daemon):
+    d = daemon().start()
+    data = pattern("kv", 5 * MiB + 12345)   # a partial last chunk: the memfd ends mid-page
+    files = FileClient(d)
+    files.put("/blocks/a", data)
+
+    async def main():
+        async with trio.open_nursery() as nursery:
+            client = await _local_client(d, nursery)
+            assert "backing" in client.hello["features"]
+            parent = (await client.call("lookup", parent=ROOT_INO, name=b"blocks"))["ino"]
+            ino = (await client.call("lookup", parent=parent, name=b"a"))["ino"]
+            fh = (await client.call("open", ino=ino, flags=os.O_RDONLY))["fh"]
+            fd, size = await client.backing(fh)
+            try:
+                assert size == len(data) == os.fstat(fd).st_size
+                assert stat.S_ISREG(os.fstat(fd).st_mode)
+                assert os.pread(fd, len(data) + 4096, 0) == data
+                assert os.get_inheritable(fd) is False
+                with pytest.raises(OSError) as e:   # read-only: the reader cannot change it
+                    os.pwrite(fd, b"x", 0)
+                assert e.value.errno == errno.EBADF
+            finally:
+                os.close(fd)
+            await client.call("release", fh=fh)
+
+            # a write handle: no backing, and the handle itself stays good
+            wfh = (await client.call("open", ino=ino, flags=os.O_RDWR))["fh"]
+            with pytest.raises(RemoteError) as e:
+                await client.backing(wfh)
+            assert e.value.errno == errno.ENODATA
+            assert (await client.call("getattr", ino=ino))["size"] == len(data)
+            await client.call("release", fh=wfh)
+            nursery.cancel_scope.cancel()
+
+    trio.run(main, strict_exception_groups=True)
+    assert files.get("/blocks/a") == data
+    files.close()
+
+
+def test_over_zmq_it_is_always_enodata(daemon):
+    d = daemon().start()
+    files = FileClient(d)
+    files.put("/f", pattern("f", MiB))
+    ino = files.client.call("lookup", parent=ROOT_INO, name=b"f")["ino"]
+    fh = files.client.call("open", ino=ino, flags=os.O_RDONLY)["fh"]
+    with pytest.raises(RemoteError) as e:   # the daemon's answer over the zmq socket
+        files.client.call("backing", fh=fh)
+    assert e.value.errno == errno.ENODATA
+    files.client.call("release", fh=fh)
+
+    async def main():   # the async zmq client answers so without asking
+        client = AsyncClient(d.endpoints["control"], client_name="test")
+        with pytest.raises(RemoteError) as e:
+            await client.backing(1)
+        assert e.value.errno == errno.ENODATA
+        client._sock.close()
+
+    trio.run(main)
+    files.close()
