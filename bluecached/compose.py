@@ -9,7 +9,7 @@ from pathlib import Path
 
 from .paths import describe
 from .store import RemoteView, Store
-from .tiers.dram import DramPool
+from .tiers.dram import DramPool, allow_fds_for
 from .tiers.journal import Journal
 from .tiers.nvme import SegmentStore
 from .tiers.placement import Tiers, Watermarks
@@ -46,6 +46,7 @@ def assemble_store(engine, *, dram_size: int, dram_marks: tuple[float, float],
             journal = Journal(nvme_path, durable)
         except OSError as e:
             raise StartupError(f"NVMe tier at {nvme_path}: {describe(e)}") from None
+    allow_fds_for(dram_size)
     pool = DramPool(dram_size, before_unmap=engine.forget_host_memory)
     # the tiers' evictor removes files through the store, which is built after them
     tiers = Tiers(pool, Watermarks(*dram_marks), nvme, Watermarks(*nvme_marks), journal,

@@ -19,6 +19,7 @@ import ctypes
 import logging
 import mmap
 import os
+import resource
 import time
 
 import trio
@@ -31,6 +32,25 @@ log = logging.getLogger("bluecached.tiers.dram")
 
 def physical_memory() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+FDS_BESIDES_OBJECTS = 4096   # sockets, regions, journal and NVMe files, spares
+
+
+def allow_fds_for(capacity: int) -> None:
+    """Every object in DRAM holds a memfd: up to one per chunk of the capacity. The soft
+    open-file limit goes up to the hard one; a hard limit below what the tier may need is
+    said at start (later the store answers ENOSPC when it cannot make one)."""
+    need = capacity // CHUNK_SIZE + FDS_BESIDES_OBJECTS
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and (hard == resource.RLIM_INFINITY or soft < hard):
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+            soft = hard
+    if soft != resource.RLIM_INFINITY and soft < need:
+        log.warning("the open-file limit (%d) is below what the DRAM tier may need: one memfd "
+                    "per object, up to %d; raise LimitNOFILE (or ulimit -n) to at least %d",
+                    soft, capacity // CHUNK_SIZE, need)
 
 
 class Memfd:
@@ -185,10 +205,11 @@ class DramPool:
         retries). It reads as zeros: holes and fresh file space are."""
         if self._in_use >= self.capacity // CHUNK_SIZE:
             return None
+        chunk = memfd.window(index)   # before counting it: mmap may fail (ENOMEM)
         self._in_use += 1
         self._taken.set()
         self.last_take = time.monotonic()
-        return memfd.window(index)
+        return chunk
 
     def missing_chunks(self) -> int:
         """Chunks of the capacity not mapped yet (neither in use nor mapped ahead)."""

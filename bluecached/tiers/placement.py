@@ -189,8 +189,16 @@ class Tiers:
         to be written)."""
         chunks = obj.chunks
         if chunks.memfd is None:
-            chunks.memfd = self.dram.new_memfd(None if spare else 0)
+            chunks.memfd = self._new_memfd(None if spare else 0)
         return chunks.memfd
+
+    def _new_memfd(self, size: int | None) -> Memfd:
+        try:
+            return self.dram.new_memfd(size)
+        except OSError as e:
+            # Out of file descriptors (one per object: dram.allow_fds_for) or memory: to the
+            # writer, the cache is full (ENOSPC), as a file system out of inodes or blocks.
+            raise FsError(errno.ENOSPC, f"DRAM tier: no memfd for the object: {e}") from None
 
     def set_length(self, obj: StoredObject, size: int) -> None:
         """The object's size changed: its memfd follows (fit_memfd)."""
@@ -317,17 +325,23 @@ class Tiers:
         make room. ENOSPC only when nothing can be evicted: every resident object is open, in
         flight, or dirty with no NVMe room to go to. What was taken stays on failure."""
         for i in indices:
-            while (chunk := self.dram.take(chunks.memfd, i)) is None:
+            while (chunk := self._take(chunks.memfd, i)) is None:
                 if not self._evict_dram_one():
                     await self._wait_for_writeback()
             chunks[i] = chunk
         if self.dram.used_bytes > self.dram_marks.high * self.dram.capacity:
             self._pressure.set()
 
+    def _take(self, memfd: Memfd, index: int):
+        try:
+            return self.dram.take(memfd, index)
+        except OSError as e:   # mapping it failed: out of memory, to the writer a full cache
+            raise FsError(errno.ENOSPC, f"DRAM tier: cannot map a chunk: {e}") from None
+
     async def take_content(self, size: int) -> Chunks:
         """A new content of `size` bytes: a memfd that long and all its chunks (zeros)."""
         count = chunk_count(size)
-        chunks = Chunks([None] * count, self.dram.new_memfd(size))
+        chunks = Chunks([None] * count, self._new_memfd(size))
         try:
             await self.take_windows(chunks, range(count))
         except BaseException:
@@ -341,17 +355,23 @@ class Tiers:
         would mean waiting: for speculative work (a prefetch) that must neither stall nor push
         out data no tier below holds."""
         count = chunk_count(size)
-        chunks = Chunks([None] * count, self.dram.new_memfd(size))
-        for i in range(count):
-            while (chunk := self.dram.take(chunks.memfd, i)) is None:
-                victim = next((n for n in self._evictable_dram()
-                               if not n.obj.dirty and n.obj.persisted), None)
-                if victim is None:
-                    self.discard_content(chunks)
-                    return None
-                self.stats.dram.evictions += 1
-                self.drop_dram(victim)
-            chunks[i] = chunk
+        try:
+            chunks = Chunks([None] * count, self._new_memfd(size))
+        except FsError:
+            return None
+        try:
+            for i in range(count):
+                while (chunk := self._take(chunks.memfd, i)) is None:
+                    victim = next((n for n in self._evictable_dram()
+                                   if not n.obj.dirty and n.obj.persisted), None)
+                    if victim is None:
+                        raise FsError(errno.ENOSPC, "DRAM tier full of what no tier below has")
+                    self.stats.dram.evictions += 1
+                    self.drop_dram(victim)
+                chunks[i] = chunk
+        except FsError:
+            self.discard_content(chunks)
+            return None
         if self.dram.used_bytes > self.dram_marks.high * self.dram.capacity:
             self._pressure.set()
         return chunks

@@ -1,0 +1,225 @@
+"""Objects in memfds and the `backing` op at the store: what a passthrough reader gets, when
+it gets nothing (ENODATA), and that the memfd it holds stays the object's."""
+
+import errno
+import os
+
+import pytest
+import trio
+
+from bluecached.namespace import FsError
+from bluecached.tiers.dram import map_ahead
+from support import MiB, pattern
+
+
+def _maps_of(fd: int) -> int:
+    """How many of this process's mappings are of the file behind `fd`."""
+    ino = os.fstat(fd).st_ino
+    with open("/proc/self/maps") as maps:
+        return sum(1 for line in maps if line.split()[4] == str(ino)
+                   and "bluecache-object" in line)
+
+
+async def _open(h, path: str, flags: int = os.O_RDONLY):
+    return await h.store.open(h.store.ns.resolve(path).ino, flags)
+
+
+def _enodata(h, fh: int) -> str:
+    with pytest.raises(FsError) as e:
+        h.store.backing(fh)
+    assert e.value.errno == errno.ENODATA
+    return str(e.value)
+
+
+def test_a_complete_object_is_its_memfd_byte_for_byte(harness):
+    h = harness(dram=32 * MiB)
+
+    async def main():
+        for name, size in (("whole", 4 * MiB), ("partial", 3 * MiB + 12345), ("small", 10),
+                           ("empty", 0)):
+            data = pattern(name, size)
+            await h.put(f"/{name}", data)
+            handle = await _open(h, f"/{name}")
+            fd, got = h.store.backing(handle.fh)
+            try:
+                assert got == size == os.fstat(fd).st_size
+                assert os.pread(fd, size + 4096, 0) == data
+                with pytest.raises(OSError):   # read-only
+                    os.pwrite(fd, b"x", 0)
+            finally:
+                os.close(fd)
+                h.store.release(handle.fh)
+        # a file grown by truncation: a hole in the middle reads as zeros there too
+        await h.put("/holey", b"abc")
+        await h.store.setattr(h.store.ns.resolve("/holey").ino, size=3 * MiB)
+        handle = await _open(h, "/holey")
+        fd, size = h.store.backing(handle.fh)
+        assert size == os.fstat(fd).st_size == 3 * MiB
+        assert os.pread(fd, 4 * MiB, 0) == b"abc" + bytes(3 * MiB - 3)
+        os.close(fd)
+        h.store.release(handle.fh)
+        assert await h.get("/holey") == b"abc" + bytes(3 * MiB - 3)
+    h.serve(main)
+    h.check_consistency()
+
+
+def test_no_backing_unless_complete_in_dram(harness):
+    h = harness(dram=32 * MiB)
+
+    async def main():
+        parent = h.store.root().ino
+        # being written: by this handle, or by another
+        writer = await h.store.create(parent, b"w", 0o644, 0, 0, os.O_WRONLY | os.O_CREAT)
+        await h.write(writer.fh, 0, pattern("w", MiB))
+        assert "writing" in _enodata(h, writer.fh)
+        reader = await _open(h, "/w")
+        assert "writing" in _enodata(h, reader.fh)
+        h.store.release(writer.fh)
+        fd, size = h.store.backing(reader.fh)   # complete now
+        os.close(fd)
+        h.store.release(reader.fh)
+        rw = await _open(h, "/w", os.O_RDWR)
+        assert "writing" in _enodata(h, rw.fh)
+        h.store.release(rw.fh)
+        # a writer's temporary
+        await h.put("/t.tmp", pattern("t", MiB))
+        handle = await _open(h, "/t.tmp")
+        assert "temporary" in _enodata(h, handle.fh)
+        h.store.release(handle.fh)
+        # only on NVMe
+        await h.put("/n", pattern("n", 2 * MiB))
+        await h.settle()
+        node = h.store.ns.resolve("/n")
+        h.store.tiers.drop_dram(node)
+        handle = await _open(h, "/n")
+        assert "not in DRAM" in _enodata(h, handle.fh)
+        assert await h.read(handle.fh, 0, 2 * MiB) == pattern("n", 2 * MiB)   # promoted
+        fd, size = h.store.backing(handle.fh)   # in DRAM again: now it has one
+        assert os.pread(fd, size, 0) == pattern("n", 2 * MiB)
+        os.close(fd)
+        h.store.release(handle.fh)
+    h.serve(main)
+    h.check_consistency()
+
+
+def test_eviction_skips_an_object_held_as_backing(harness):
+    h = harness(dram=8 * MiB, nvme=0)
+
+    async def main():
+        await h.put("/held", pattern("held", 3 * MiB))
+        handle = await _open(h, "/held")
+        fd, _ = h.store.backing(handle.fh)
+        node = h.store.ns.resolve("/held")
+        for i in range(6):   # 18 MiB through an 8 MiB tier: everything else is evicted
+            await h.put(f"/other{i}", pattern(f"o{i}", 3 * MiB))
+        assert h.store.ns.resolve("/held") is node and node.obj.resident
+        assert os.pread(fd, 4 * MiB, 0) == pattern("held", 3 * MiB)
+        os.close(fd)
+        h.store.release(handle.fh)
+    h.serve(main)
+    h.check_consistency()
+
+
+def test_changes_through_other_handles_show_in_the_held_memfd(harness):
+    h = harness(dram=32 * MiB)
+
+    async def main():
+        data = bytearray(pattern("base", 3 * MiB))
+        await h.put("/f", bytes(data))
+        reader = await _open(h, "/f")
+        fd, _ = h.store.backing(reader.fh)
+        writer = await _open(h, "/f", os.O_WRONLY)
+        # a write in place and one past the end: same memfd, grown
+        await h.write(writer.fh, MiB - 10, b"X" * 20)
+        data[MiB - 10:MiB + 10] = b"X" * 20
+        await h.write(writer.fh, 3 * MiB, b"tail")
+        data += b"tail"
+        assert os.fstat(fd).st_size == len(data)
+        assert os.pread(fd, 8 * MiB, 0) == bytes(data)
+        # truncation: the memfd is cut (the reader sees EOF there), then grown with zeros
+        await h.store.setattr(reader.node.ino, size=MiB + 7)
+        assert os.pread(fd, 8 * MiB, 0) == bytes(data[:MiB + 7])
+        await h.store.setattr(reader.node.ino, size=2 * MiB)
+        assert os.pread(fd, 8 * MiB, 0) == bytes(data[:MiB + 7]) + bytes(MiB - 7)
+        # a zero-copy STORE goes into the same memfd, in place
+        new = pattern("new", 2 * MiB + 5)
+        h.shm.view[:len(new)] = new
+        await h.store.replace(writer.fh, len(new), h.region, 0)
+        assert os.fstat(fd).st_size == len(new)
+        assert os.pread(fd, 8 * MiB, 0) == new
+        h.store.release(writer.fh)
+        assert await h.read(reader.fh, 0, 8 * MiB) == new
+        os.close(fd)
+        h.store.release(reader.fh)
+    h.serve(main)
+    h.check_consistency()
+
+
+def test_a_shrink_waits_while_a_copy_reads_and_the_cut_reads_as_zeros(harness):
+    h = harness(dram=32 * MiB)
+
+    async def main():
+        await h.put("/f", pattern("f", 3 * MiB))
+        node = h.store.ns.resolve("/f")
+        memfd = node.obj.chunks.memfd
+        h.store.tiers.pin(node.obj)   # as a copy in progress does
+        await h.store.setattr(node.ino, size=MiB)
+        assert memfd.size == 3 * MiB   # its pages stay in the file: no SIGBUS for the copy
+        assert os.pread(memfd.fd, MiB, MiB) == bytes(MiB)   # but the old bytes are gone
+        h.store.tiers.unpin(node.obj)
+        assert memfd.size == os.fstat(memfd.fd).st_size == MiB
+    h.serve(main)
+    h.check_consistency()
+
+
+def test_memory_returns_after_release_and_eviction(harness):
+    h = harness(dram=16 * MiB)
+
+    async def main():
+        await h.put("/f", pattern("f", 5 * MiB))
+        node = h.store.ns.resolve("/f")
+        handle = await _open(h, "/f")
+        fd, _ = h.store.backing(handle.fh)
+        assert _maps_of(fd) == 5   # the daemon's chunks: windows of this very file
+        # removed while held (a client's discard): the daemon lets go of it at once, the
+        # holder keeps reading until it closes
+        h.store.discard(node.ino)
+        assert h.store.tiers.dram.used_bytes == 0
+        assert _maps_of(fd) == 0
+        assert os.pread(fd, 5 * MiB, 0) == pattern("f", 5 * MiB)
+        h.store.release(handle.fh)
+        os.close(fd)
+
+        await h.put("/g", pattern("g", 4 * MiB))
+        handle = await _open(h, "/g")
+        fd, _ = h.store.backing(handle.fh)
+        h.store.release(handle.fh)
+        assert h.store.evict("/g") == {"removed": 1, "skipped_open": 0}
+        assert h.store.tiers.dram.used_bytes == 0 and _maps_of(fd) == 0
+        os.close(fd)
+    h.serve(main)
+    h.check_consistency()
+
+
+def test_objects_written_into_spares_end_exactly_at_their_size(harness):
+    h = harness(dram=64 * MiB)
+    pool = h.store.tiers.dram
+
+    async def main():
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(map_ahead, pool, 8 * MiB)
+            for _ in range(400):
+                if pool._free:
+                    break
+                await trio.sleep(0.005)
+            ahead = {id(c) for c in pool._free}
+            await h.put("/a", pattern("a", 2 * MiB + 3))   # took a spare of 8 chunks
+            chunks = h.store.ns.resolve("/a").obj.chunks
+            assert {id(c) for c in chunks} <= ahead
+            memfd = chunks.memfd
+            assert memfd.size == os.fstat(memfd.fd).st_size == 2 * MiB + 3
+            assert not memfd.ahead   # the spare's rest is let go once complete
+            assert await h.get("/a") == pattern("a", 2 * MiB + 3)
+            nursery.cancel_scope.cancel()
+    h.serve(main)
+    h.check_consistency()
