@@ -17,6 +17,7 @@ import trio
 
 from .cache import Attr, Cache
 from .errors import errno_for
+from .passthrough import Passthrough
 
 log = logging.getLogger("fusefs")
 
@@ -100,10 +101,14 @@ class Operations(pyfuse3.Operations):
     enable_writeback_cache = False  # a write reaches the cache before write(2) returns
     enable_acl = False
 
-    def __init__(self, cache: Cache, timeouts: Timeouts | None = None):
+    def __init__(self, cache: Cache, timeouts: Timeouts | None = None,
+                 passthrough: Passthrough | None = None):
+        """`passthrough`: read-only opens served by the kernel from the cache's backing file
+        where it can be had (passthrough.py); None: every read reaches the cache."""
         super().__init__()
         self.cache = cache
         self.timeouts = timeouts or Timeouts()
+        self.passthrough = passthrough
         self.lookups: dict[int, int] = {}   # what the kernel holds a reference to
 
     # -- helpers ---------------------------------------------------------------------------
@@ -263,6 +268,7 @@ class Operations(pyfuse3.Operations):
     @_boundary
     async def create(self, parent_inode, name, mode, flags, ctx):
         fh, attr = await self.cache.create(parent_inode, name, mode, ctx.uid, ctx.gid, flags)
+        await self._backed(attr, fh, flags)   # an existing file's create is an open of it
         return self._file_info(fh, flags), self._remember(attr)
 
     @_boundary
@@ -293,7 +299,17 @@ class Operations(pyfuse3.Operations):
         fh, attr = await self.cache.open(inode, flags)
         if flags & os.O_TRUNC and mode_after_unprivileged_write(attr.mode) != attr.mode:
             await self._truncated_by(fh, inode, attr.mode, ctx)
+        await self._backed(attr, fh, flags)
         return self._file_info(fh, flags)
+
+    async def _backed(self, attr: Attr, fh: int, flags: int) -> None:
+        if self.passthrough is None or not stat.S_ISREG(attr.mode):
+            return
+        try:
+            await self.passthrough.opened(self.cache, attr.ino, fh, flags)
+        except BaseException:
+            await self.cache.release(fh)   # the kernel never hears of this handle
+            raise
 
     async def _truncated_by(self, fh: int, inode: int, mode: int, ctx) -> None:
         """open(O_TRUNC) of a set-user-ID or set-group-ID file: the open did the truncation
@@ -325,6 +341,8 @@ class Operations(pyfuse3.Operations):
 
     @_boundary
     async def release(self, fh):
+        if self.passthrough is not None:
+            self.passthrough.released(fh)
         await self.cache.release(fh)
 
     # -- deliberately unsupported ----------------------------------------------------------

@@ -45,6 +45,17 @@ unsigned long long bc_writes_copied(void);
 int fuse_reply_write(fuse_req_t req, size_t count);
 typedef long... off_t;
 int bc_take_write_kill(uint64_t fh, off_t off);
+int bc_negotiate(int passthrough, int max_pages);
+int bc_passthrough_state(void);
+int bc_max_pages(void);
+int bc_kernel_minor(void);
+int bc_backing_open(int fd);
+int bc_backing_close(int backing_id);
+int bc_passthrough_set(uint64_t fh, int backing_id, int direct_io);
+void bc_passthrough_clear(uint64_t fh);
+unsigned long long bc_passthrough_opens(void);
+unsigned long long bc_backings_opened_count(void);
+unsigned long long bc_backings_closed_count(void);
 extern "Python" void bc_ioctl_to_python(fuse_req_t req, fuse_ino_t ino, unsigned int cmd,
                                         uint64_t fh, unsigned flags, const void *in_buf,
                                         size_t in_bufsz, size_t out_bufsz);
@@ -60,8 +71,9 @@ with open(os.path.join(HERE, "fuse_shim.c")) as f:
 ffi.set_source(
     "hostd._fuse_shim",
     "#define FUSE_USE_VERSION 35\n#define _GNU_SOURCE\n#include <dlfcn.h>\n#include <errno.h>\n"
-    "#include <pthread.h>\n#include <signal.h>\n#include <stdint.h>\n#include <stdlib.h>\n"
-    "#include <string.h>\n#include <sys/eventfd.h>\n#include <unistd.h>\n"
+    "#include <pthread.h>\n#include <signal.h>\n#include <stddef.h>\n#include <stdint.h>\n"
+    "#include <stdlib.h>\n#include <string.h>\n#include <sys/eventfd.h>\n#include <sys/ioctl.h>\n"
+    "#include <sys/uio.h>\n#include <unistd.h>\n"
     "#include <fuse_lowlevel.h>\n"
     "static void bc_ioctl_to_python(fuse_req_t, fuse_ino_t, unsigned int, uint64_t, unsigned,"
     " const void *, size_t, size_t);\n"

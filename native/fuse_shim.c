@@ -41,6 +41,17 @@
  * reads them from the request (its fuse_write_in lies just before the payload) and Python
  * asks with bc_take_write_kill() while it takes that write (hostd/link.py).
  *
+ * Passthrough (bc_negotiate(), before pyfuse3.init): libfuse 3.14 knows neither
+ * FUSE_PASSTHROUGH nor a max_pages of its own choosing, but it has fuse_session_custom_io,
+ * whose read and writev then carry every request and reply. fuse_session_mount installs
+ * them on the /dev/fuse fd it opened; read notes which requests are INIT and OPEN, writev
+ * rewrites their replies: INIT takes FUSE_PASSTHROUGH (+ max_stack_depth 1) and a larger
+ * max_pages where the kernel offered them, and an OPEN reply for a handle hostd registered
+ * (bc_passthrough_set) carries FOPEN_PASSTHROUGH and its backing id. The backing ids come from
+ * the FUSE_DEV_IOC_BACKING_OPEN/CLOSE ioctls on that fd (bc_backing_open/close). The ABI is the
+ * kernel's (protocol 7.41+; this machine's kernel speaks 7.45, Debian's headers 7.38), defined
+ * below with its sizes asserted. Without bc_negotiate nothing of this is installed.
+ *
  * libfuse 3.17 and newer reach these through differently versioned entry points: then this
  * shim is never called, bc_shim_state() stays 0 and hostd says so.
  */
@@ -319,6 +330,347 @@ static int bc_reader_stop(void)
     return -1;
 }
 
+/* ---- passthrough and max_pages (see the top) ---- */
+
+/* The kernel's FUSE ABI as of protocol 7.45 (include/uapi/linux/fuse.h), where it goes past
+ * the 7.38 headers this is built against. */
+#define BC_OP_OPEN 14
+#define BC_OP_INIT 26
+#define BC_OP_CREATE 35
+#define BC_ENTRY_OUT 128 /* sizeof(struct fuse_entry_out), before a CREATE's fuse_open_out */
+#define BC_INIT_WRITEBACK_CACHE (1u << 16)
+#define BC_INIT_MAX_PAGES (1u << 22)
+#define BC_INIT_EXT (1u << 30)
+#define BC_INIT2_PASSTHROUGH (1u << 5) /* FUSE_PASSTHROUGH: bit 37 of the 64-bit flags */
+#define BC_FOPEN_DIRECT_IO (1u << 0)
+#define BC_FOPEN_KEEP_CACHE (1u << 1)
+#define BC_FOPEN_PASSTHROUGH (1u << 7)
+
+struct bc_in_header {
+    uint32_t len, opcode;
+    uint64_t unique, nodeid;
+    uint32_t uid, gid, pid;
+    uint16_t total_extlen, padding;
+};
+struct bc_out_header {
+    uint32_t len;
+    int32_t error;
+    uint64_t unique;
+};
+struct bc_init_in {
+    uint32_t major, minor, max_readahead, flags, flags2, unused[11];
+};
+struct bc_init_out {
+    uint32_t major, minor, max_readahead, flags;
+    uint16_t max_background, congestion_threshold;
+    uint32_t max_write, time_gran;
+    uint16_t max_pages, map_alignment;
+    uint32_t flags2, max_stack_depth;
+    uint16_t request_timeout, unused[11];
+};
+struct bc_open_out {
+    uint64_t fh;
+    uint32_t open_flags;
+    int32_t backing_id;
+};
+struct bc_backing_map {
+    int32_t fd;
+    uint32_t flags;
+    uint64_t padding;
+};
+_Static_assert(sizeof(struct bc_in_header) == 40, "fuse_in_header is 40 bytes");
+_Static_assert(sizeof(struct bc_out_header) == 16, "fuse_out_header is 16 bytes");
+_Static_assert(sizeof(struct bc_init_in) == 64, "fuse_init_in is 64 bytes");
+_Static_assert(sizeof(struct bc_init_out) == 64, "fuse_init_out is 64 bytes");
+_Static_assert(offsetof(struct bc_init_out, max_stack_depth) == 36, "max_stack_depth at 36");
+_Static_assert(sizeof(struct bc_open_out) == 16, "fuse_open_out is 16 bytes");
+_Static_assert(sizeof(struct bc_backing_map) == 16, "fuse_backing_map is 16 bytes");
+#define BC_DEV_IOC_BACKING_OPEN _IOW(229, 1, struct bc_backing_map)
+#define BC_DEV_IOC_BACKING_CLOSE _IOW(229, 2, uint32_t)
+
+/* OPEN and CREATE requests read and not yet answered, and the handles hostd gave a backing id to whose
+ * OPEN reply has not gone yet. Both are short-lived: a linear scan is enough. Under bc_pt_lock
+ * (the reader thread reads, the event loop and pyfuse3's notify thread write). */
+#define BC_PENDING_MAX 1024
+#define BC_BACKED_MAX 1024
+struct bc_backed {
+    uint64_t fh;
+    int32_t backing_id;
+    int direct_io; /* keep FOPEN_DIRECT_IO: reads and writes still reach the server */
+    int used;
+};
+static pthread_mutex_t bc_pt_lock = PTHREAD_MUTEX_INITIALIZER;
+static uint64_t bc_pending[BC_PENDING_MAX];
+static int bc_pending_n;
+static struct bc_backed bc_backed[BC_BACKED_MAX];
+static uint64_t bc_init_unique;
+static uint32_t bc_init_flags, bc_init_flags2; /* what the kernel offered */
+static int bc_init_seen;
+
+static int bc_want_passthrough, bc_want_max_pages; /* bc_negotiate() */
+static int bc_io_installed;
+static int bc_dev_fd = -1;
+/* What the INIT reply said: -1 not yet, 0 no, 1 yes; max_pages 0 until then. */
+static int bc_passthrough_negotiated = -1;
+static int bc_max_pages_negotiated;
+static int bc_init_minor;
+static unsigned long long bc_passthrough_replies, bc_backings_opened, bc_backings_closed;
+
+static ssize_t bc_io_read(int fd, void *buf, size_t len, void *userdata)
+{
+    (void)userdata;
+    ssize_t res = read(fd, buf, len);
+    if (res < (ssize_t)sizeof(struct bc_in_header))
+        return res;
+    struct bc_in_header in;
+    memcpy(&in, buf, sizeof in);
+    if (in.opcode == BC_OP_INIT &&
+        res >= (ssize_t)(sizeof in + offsetof(struct bc_init_in, unused))) {
+        struct bc_init_in init;
+        memcpy(&init, (char *)buf + sizeof in, offsetof(struct bc_init_in, unused));
+        pthread_mutex_lock(&bc_pt_lock);
+        bc_init_unique = in.unique;
+        bc_init_flags = init.flags;
+        bc_init_flags2 = (init.flags & BC_INIT_EXT) ? init.flags2 : 0;
+        bc_init_minor = (int)init.minor;
+        bc_init_seen = 1;
+        pthread_mutex_unlock(&bc_pt_lock);
+    } else if (in.opcode == BC_OP_OPEN || in.opcode == BC_OP_CREATE) {
+        pthread_mutex_lock(&bc_pt_lock);
+        if (bc_pending_n < BC_PENDING_MAX) /* else its reply goes as libfuse made it */
+            bc_pending[bc_pending_n++] = in.unique;
+        pthread_mutex_unlock(&bc_pt_lock);
+    }
+    return res;
+}
+
+/* Whether `unique` is an OPEN or CREATE awaiting its reply; takes it off the list. bc_pt_lock held. */
+static int bc_take_pending(uint64_t unique)
+{
+    for (int i = 0; i < bc_pending_n; i++) {
+        if (bc_pending[i] == unique) {
+            bc_pending[i] = bc_pending[--bc_pending_n];
+            return 1;
+        }
+    }
+    return 0;
+}
+
+/* The INIT reply, as the kernel offered (bc_pt_lock held). The kernel ignores FUSE_PASSTHROUGH
+ * next to FUSE_WRITEBACK_CACHE (fs/fuse/inode.c, process_init_reply), so it is not asked for
+ * then; max_write stays libfuse's: its request buffer is sized for it. */
+static void bc_patch_init(struct bc_init_out *out)
+{
+    bc_passthrough_negotiated = 0;
+    if (bc_want_passthrough && (bc_init_flags & BC_INIT_EXT) &&
+        (bc_init_flags2 & BC_INIT2_PASSTHROUGH) && !(out->flags & BC_INIT_WRITEBACK_CACHE)) {
+        out->flags |= BC_INIT_EXT;
+        out->flags2 |= BC_INIT2_PASSTHROUGH;
+        out->max_stack_depth = 1; /* a memfd's file system stacks on nothing */
+        bc_passthrough_negotiated = 1;
+    }
+    if (bc_want_max_pages > 0 && (bc_init_flags & BC_INIT_MAX_PAGES)) {
+        out->flags |= BC_INIT_MAX_PAGES;
+        out->max_pages = (uint16_t)bc_want_max_pages;
+    }
+    bc_max_pages_negotiated = (out->flags & BC_INIT_MAX_PAGES) ? out->max_pages : 32;
+}
+
+/* The fuse_open_out of an OPEN or CREATE reply for a handle with a backing id (bc_pt_lock held): FOPEN_PASSTHROUGH with that
+ * id. The kernel refuses (EIO) FOPEN_KEEP_CACHE beside it (fs/fuse/iomode.c,
+ * FOPEN_PASSTHROUGH_MASK); FOPEN_DIRECT_IO beside it sends reads and writes to the server and
+ * only mmap to the backing file. Returns 1 if it changed the reply. */
+static int bc_patch_open(struct bc_open_out *out)
+{
+    for (int i = 0; i < BC_BACKED_MAX; i++) {
+        struct bc_backed *b = &bc_backed[i];
+        if (!b->used || b->fh != out->fh)
+            continue;
+        out->open_flags |= BC_FOPEN_PASSTHROUGH;
+        out->open_flags &= ~BC_FOPEN_KEEP_CACHE;
+        if (!b->direct_io)
+            out->open_flags &= ~BC_FOPEN_DIRECT_IO;
+        out->backing_id = b->backing_id;
+        b->used = 0; /* one reply per registration */
+        bc_passthrough_replies++;
+        return 1;
+    }
+    return 0;
+}
+
+static ssize_t bc_io_writev(int fd, struct iovec *iov, int count, void *userdata)
+{
+    (void)userdata;
+    struct bc_out_header out;
+    if (count != 2 || iov[0].iov_len != sizeof out)
+        return writev(fd, iov, count);
+    memcpy(&out, iov[0].iov_base, sizeof out);
+    union {
+        struct bc_init_out init;
+        char open[BC_ENTRY_OUT + sizeof(struct bc_open_out)]; /* CREATE's; OPEN's is its tail */
+    } arg;
+    struct iovec patched[2] = {iov[0], {&arg, iov[1].iov_len}};
+    size_t len = iov[1].iov_len;
+    int changed = 0;
+    pthread_mutex_lock(&bc_pt_lock);
+    if (bc_init_seen && out.unique == bc_init_unique) {
+        bc_init_seen = 0;
+        if (out.error == 0 && len == sizeof arg.init) {
+            memcpy(&arg.init, iov[1].iov_base, sizeof arg.init);
+            bc_patch_init(&arg.init);
+            changed = 1;
+        } else {
+            bc_passthrough_negotiated = 0;
+        }
+    } else if (bc_pending_n > 0 && bc_take_pending(out.unique) && out.error == 0 &&
+               (len == sizeof(struct bc_open_out) || len == sizeof arg.open)) {
+        struct bc_open_out open;
+        memcpy(arg.open, iov[1].iov_base, len);
+        memcpy(&open, arg.open + len - sizeof open, sizeof open);
+        changed = bc_patch_open(&open);
+        memcpy(arg.open + len - sizeof open, &open, sizeof open);
+    }
+    pthread_mutex_unlock(&bc_pt_lock);
+    return writev(fd, changed ? patched : iov, count);
+}
+
+typedef int (*bc_mount_fn)(struct fuse_session *, const char *);
+typedef int (*bc_custom_io_fn)(struct fuse_session *, const struct fuse_custom_io *, int);
+
+/* pyfuse3.init mounts with this: then the custom io goes on the fd libfuse opened. */
+__attribute__((visibility("default")))
+int fuse_session_mount(struct fuse_session *se, const char *mountpoint)
+{
+    bc_mount_fn real = (bc_mount_fn)bc_libfuse("fuse_session_mount");
+    bc_custom_io_fn custom_io = (bc_custom_io_fn)bc_libfuse("fuse_session_custom_io");
+    bc_fd_fn session_fd = (bc_fd_fn)bc_libfuse("fuse_session_fd");
+    if (real == NULL)
+        return -1;
+    int res = real(se, mountpoint);
+    if (res != 0 || !(bc_want_passthrough || bc_want_max_pages > 0) || custom_io == NULL ||
+        session_fd == NULL)
+        return res;
+    static const struct fuse_custom_io io = {.writev = bc_io_writev, .read = bc_io_read};
+    int fd = session_fd(se);
+    if (custom_io(se, &io, fd) == 0) {
+        bc_io_installed = 1;
+        bc_dev_fd = fd;
+    }
+    return res;
+}
+
+/* Before pyfuse3.init: ask the kernel for passthrough (0/1) and for `max_pages` pages per
+ * request (0: as libfuse asks). Returns 0, or -1 where the shim does not serve pyfuse3. */
+int bc_negotiate(int passthrough, int max_pages)
+{
+    if (bc_state == -1 || max_pages < 0 || max_pages > 65535)
+        return -1;
+    bc_want_passthrough = passthrough;
+    bc_want_max_pages = max_pages;
+    return 0;
+}
+
+/* After the INIT reply: 1 passthrough negotiated, 0 not, -1 INIT not answered (yet) or the
+ * custom io not installed. */
+int bc_passthrough_state(void)
+{
+    pthread_mutex_lock(&bc_pt_lock);
+    int state = bc_io_installed ? bc_passthrough_negotiated : -1;
+    pthread_mutex_unlock(&bc_pt_lock);
+    return state;
+}
+
+/* Pages per request the INIT reply allowed (0 before it, or without the custom io). */
+int bc_max_pages(void)
+{
+    pthread_mutex_lock(&bc_pt_lock);
+    int pages = bc_io_installed ? bc_max_pages_negotiated : 0;
+    pthread_mutex_unlock(&bc_pt_lock);
+    return pages;
+}
+
+/* The protocol minor the kernel offered in INIT (0 before it). */
+int bc_kernel_minor(void)
+{
+    pthread_mutex_lock(&bc_pt_lock);
+    int minor = bc_init_minor;
+    pthread_mutex_unlock(&bc_pt_lock);
+    return minor;
+}
+
+/* A backing id for `fd` (FUSE_DEV_IOC_BACKING_OPEN: needs CAP_SYS_ADMIN), or -errno. The
+ * kernel holds its own reference to the file from here on. */
+int bc_backing_open(int fd)
+{
+    struct bc_backing_map map = {.fd = fd};
+    if (bc_dev_fd < 0 || bc_passthrough_state() != 1)
+        return -ENOTCONN;
+    int id = ioctl(bc_dev_fd, BC_DEV_IOC_BACKING_OPEN, &map);
+    if (id < 0)
+        return -errno;
+    __atomic_add_fetch(&bc_backings_opened, 1, __ATOMIC_RELAXED);
+    return id;
+}
+
+/* Gives a backing id back (opens still using it keep the file); 0 or -errno. */
+int bc_backing_close(int backing_id)
+{
+    uint32_t id = (uint32_t)backing_id;
+    if (bc_dev_fd < 0)
+        return -ENOTCONN;
+    if (ioctl(bc_dev_fd, BC_DEV_IOC_BACKING_CLOSE, &id) != 0)
+        return -errno;
+    __atomic_add_fetch(&bc_backings_closed, 1, __ATOMIC_RELAXED);
+    return 0;
+}
+
+/* The OPEN reply for handle `fh` carries FOPEN_PASSTHROUGH and `backing_id` (with
+ * FOPEN_DIRECT_IO kept if `direct_io`). Call before the open's reply; 0, or -1 if full. */
+int bc_passthrough_set(uint64_t fh, int backing_id, int direct_io)
+{
+    int res = -1;
+    pthread_mutex_lock(&bc_pt_lock);
+    for (int i = 0; i < BC_BACKED_MAX; i++) {
+        if (!bc_backed[i].used || bc_backed[i].fh == fh) {
+            bc_backed[i] = (struct bc_backed){fh, backing_id, direct_io, 1};
+            res = 0;
+            break;
+        }
+    }
+    pthread_mutex_unlock(&bc_pt_lock);
+    return res;
+}
+
+/* Forgets a registration whose reply never went (a failed open). */
+void bc_passthrough_clear(uint64_t fh)
+{
+    pthread_mutex_lock(&bc_pt_lock);
+    for (int i = 0; i < BC_BACKED_MAX; i++)
+        if (bc_backed[i].used && bc_backed[i].fh == fh)
+            bc_backed[i].used = 0;
+    pthread_mutex_unlock(&bc_pt_lock);
+}
+
+/* Counters for hostd's stats and the tests: OPEN replies given FOPEN_PASSTHROUGH, backing ids
+ * opened, closed. */
+unsigned long long bc_passthrough_opens(void)
+{
+    pthread_mutex_lock(&bc_pt_lock);
+    unsigned long long n = bc_passthrough_replies;
+    pthread_mutex_unlock(&bc_pt_lock);
+    return n;
+}
+
+unsigned long long bc_backings_opened_count(void)
+{
+    return __atomic_load_n(&bc_backings_opened, __ATOMIC_RELAXED);
+}
+
+unsigned long long bc_backings_closed_count(void)
+{
+    return __atomic_load_n(&bc_backings_closed, __ATOMIC_RELAXED);
+}
+
 /* ---- libfuse entry points ---- */
 
 static void bc_init(void *userdata, struct fuse_conn_info *conn)
@@ -505,6 +857,7 @@ void fuse_session_unmount(struct fuse_session *se)
         real = (bc_session_fn)bc_libfuse("fuse_session_unmount");
     if (bc_reader_stop() != 0)
         return; /* the reader still reads: leave the mount to hostd's own unmount */
+    bc_dev_fd = -1; /* libfuse closes it: its number may be reused */
     if (real != NULL)
         real(se);
 }
@@ -526,6 +879,7 @@ void fuse_session_destroy(struct fuse_session *se)
     if (bc_event_fd >= 0)
         close(bc_event_fd);
     bc_event_fd = -1;
+    bc_dev_fd = -1;
     if (real != NULL)
         real(se);
 }

@@ -32,6 +32,7 @@ class Node:
     next_cookie: int = 1
     parent: int = ROOT
     time_ns: int = 0
+    memfd: int | None = None   # the bytes again, once a backing was asked for (kept in step)
 
     def attr(self) -> Attr:
         size = len(self.target) if stat.S_ISLNK(self.mode) else len(self.data)
@@ -119,6 +120,14 @@ class MemoryCache:
         open_inos = {ino for ino, _ in self.handles.values()}
         if node.nlink <= 0 and node.ino not in open_inos:
             self.nodes.pop(node.ino, None)
+            if node.memfd is not None:
+                os.close(node.memfd)
+                node.memfd = None
+
+    @staticmethod
+    def _resized(node: Node) -> None:
+        if node.memfd is not None:
+            os.ftruncate(node.memfd, len(node.data))
 
     def _open(self, node: Node, flags: int) -> int:
         fh = self.next_fh
@@ -126,6 +135,7 @@ class MemoryCache:
         self.handles[fh] = (node.ino, flags)
         if flags & os.O_TRUNC:
             node.data.clear()
+            self._resized(node)
         return fh
 
     def _handle(self, fh: int) -> tuple[Node, int]:
@@ -152,6 +162,7 @@ class MemoryCache:
             size = changes.pop("size")
             del node.data[size:]
             node.data.extend(bytes(size - len(node.data)))
+            self._resized(node)
         if "mode" in changes:
             node.mode = stat.S_IFMT(node.mode) | changes.pop("mode")
         for key in ("uid", "gid"):
@@ -233,7 +244,25 @@ class MemoryCache:
         if offset > len(node.data):
             node.data.extend(bytes(offset - len(node.data)))
         node.data[offset:offset + len(data)] = data
+        if node.memfd is not None:   # in place, as on tmpfs: a backing's reader sees it
+            os.pwrite(node.memfd, bytes(data), offset)
         return len(data)
+
+    async def backing(self, fh):
+        """The file's bytes in a memfd of its own (bluecached's DRAM tier keeps them so), a
+        new fd for the caller to close: for a read-only handle of a file nobody has open for
+        writing; None otherwise (bluecached's ENODATA)."""
+        self._enter("backing")
+        node, flags = self._handle(fh)
+        writers = [f for ino, f in self.handles.values()
+                   if ino == node.ino and f & os.O_ACCMODE != os.O_RDONLY]
+        if flags & os.O_ACCMODE != os.O_RDONLY or writers or not stat.S_ISREG(node.mode):
+            return None
+        if node.memfd is None:
+            node.memfd = os.memfd_create(f"ino-{node.ino}", os.MFD_CLOEXEC)
+            os.pwrite(node.memfd, bytes(node.data), 0)
+            self._resized(node)
+        return os.dup(node.memfd), len(node.data)
 
     async def flush(self, fh):
         self._enter("flush")

@@ -1,0 +1,139 @@
+"""FUSE passthrough: reads of a cached file served by the kernel from the file's memfd.
+
+The cache hands a read-only open its object's memfd (`Cache.backing`); the kernel is given it
+as a backing file (a backing id, through the fuse shim) and the open's reply says
+FOPEN_PASSTHROUGH: the kernel then reads the memfd itself and no READ reaches hostd. Anything
+short of that (no passthrough negotiated, no backing, a refused ioctl) leaves the open exactly
+as it would be without this module.
+
+The kernel's rules (fs/fuse/iomode.c) shape the bookkeeping:
+- an inode has at most one backing file: every passthrough open of it must name the same one,
+  so the first open's backing id serves the inode until its last handle goes;
+- while an inode has a backing file, an open of it without FOPEN_PASSTHROUGH fails with EIO.
+  A write open then (or a read whose cache answered with another memfd) still names the
+  inode's backing id, with FOPEN_DIRECT_IO kept: its reads and writes reach the cache as
+  today, only mmap uses the backing file.
+"""
+
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+
+log = logging.getLogger("fusefs.passthrough")
+WARN_EVERY_S = 60.0
+
+
+@dataclass
+class _Backing:
+    """One inode's backing file in the kernel."""
+    backing_id: int
+    file: tuple[int, int]   # (st_dev, st_ino): which memfd
+    handles: set[int] = field(default_factory=set)
+
+
+class Passthrough:
+    def __init__(self, shim):
+        """`shim`: the fuse shim's cffi module, loaded before pyfuse3 (hostd does)."""
+        self.lib = shim.lib
+        self.inodes: dict[int, _Backing] = {}
+        self.handles: dict[int, tuple[int, int | None]] = {}   # fh: (inode, fd the cache gave)
+        self.served = 0      # opens answered with a passthrough read
+        self.declined = 0    # read-only opens served by the cache instead
+        self._warned: dict[str, float] = {}
+
+    def negotiated(self) -> bool:
+        return self.lib.bc_passthrough_state() == 1
+
+    def state(self) -> dict:
+        return {"negotiated": self.negotiated(), "backings": len(self.inodes),
+                "served": self.served, "declined": self.declined,
+                "replies": self.lib.bc_passthrough_opens()}
+
+    async def opened(self, cache, ino: int, fh: int, flags: int) -> None:
+        """A regular file's open succeeded with handle `fh`; before its reply: registers a
+        backing for it where one can be had. Never fails the open."""
+        reading = flags & os.O_ACCMODE == os.O_RDONLY and not flags & os.O_TRUNC
+        if not (reading or ino in self.inodes) or not self.negotiated():
+            return
+        given = await self._backing_of(cache, fh) if reading else None
+        fd, file = None, None
+        if given is not None:
+            fd = given[0]
+            try:
+                file = _identity(fd)
+            except OSError as e:
+                self._warn("fd", "the cache's backing fd: %s", e)
+                os.close(fd)
+                fd = None
+        self._register(ino, fh, fd, file)
+
+    def released(self, fh: int) -> None:
+        """The kernel released `fh`: its fd goes, and the inode's backing id with its last
+        handle."""
+        self.lib.bc_passthrough_clear(fh)
+        entry = self.handles.pop(fh, None)
+        if entry is None:
+            return
+        ino, fd = entry
+        if fd is not None:
+            os.close(fd)
+        backing = self.inodes.get(ino)
+        if backing is None:
+            return
+        backing.handles.discard(fh)
+        if not backing.handles:
+            del self.inodes[ino]
+            err = self.lib.bc_backing_close(backing.backing_id)
+            if err < 0:
+                self._warn("close", "closing backing id %d: %s", backing.backing_id,
+                           os.strerror(-err))
+
+    # -- helpers ---------------------------------------------------------------------------
+
+    async def _backing_of(self, cache, fh: int) -> tuple[int, int] | None:
+        ask = getattr(cache, "backing", None)
+        if ask is None:
+            return None
+        try:
+            return await ask(fh)
+        except OSError as e:
+            self._warn("cache", "no backing from the cache: %s", e)
+            return None
+
+    def _register(self, ino: int, fh: int, fd: int | None, file: tuple[int, int] | None) -> None:
+        backing = self.inodes.get(ino)
+        if backing is None:
+            if file is None:
+                self.declined += 1
+                return
+            backing_id = self.lib.bc_backing_open(fd)
+            if backing_id < 0:
+                self._warn("open", "no backing id: %s", os.strerror(-backing_id))
+                os.close(fd)
+                self.declined += 1
+                return
+            backing = self.inodes[ino] = _Backing(backing_id, file)
+        # Another memfd than the inode's (the object moved since) or a write open: the cache
+        # serves it, under the inode's backing id (see the top).
+        by_kernel = file is not None and file == backing.file
+        if self.lib.bc_passthrough_set(fh, backing.backing_id, 0 if by_kernel else 1) != 0:
+            self._warn("table", "the shim's table of backed opens is full")
+        backing.handles.add(fh)
+        self.handles[fh] = (ino, fd)
+        if by_kernel:
+            self.served += 1
+        elif fd is not None:
+            self.declined += 1
+
+    def _warn(self, reason: str, message: str, *args) -> None:
+        """Logged at most once a minute per reason: a failure here costs speed, not answers."""
+        now = time.monotonic()
+        if now - self._warned.get(reason, -WARN_EVERY_S) >= WARN_EVERY_S:
+            self._warned[reason] = now
+            log.warning("passthrough: " + message + " (served by the cache instead)", *args)
+
+
+def _identity(fd: int) -> tuple[int, int]:
+    st = os.fstat(fd)
+    return st.st_dev, st.st_ino
