@@ -8,15 +8,12 @@ the daemon from its config (`build_store`), the tests and benches from sizes the
 from pathlib import Path
 
 from .paths import describe
+from .startup import StartupError
 from .store import RemoteView, Store
 from .tiers.dram import DramPool, allow_fds_for
 from .tiers.journal import Journal
 from .tiers.nvme import SegmentStore
 from .tiers.placement import Tiers, Watermarks
-
-
-class StartupError(Exception):
-    """A problem the operator must fix; logged as one line, no traceback."""
 
 
 def build_store(cfg, engine) -> Store:

@@ -18,12 +18,13 @@ import trio
 import zmq
 
 from . import __version__, config, metrics, statelock
-from .compose import StartupError, build_store
+from .compose import build_store
 from .dma import EngineUnavailable, RegionTable, make_engine
 from .dma.loopback import serve_regions
 from .notify import Notifier
 from .paths import PathProblem
 from .server import ControlServer
+from .startup import StartupError, run_service
 from .tiers.dram import map_ahead
 from .tiers.journal import JournalError
 from .verify import Verifier
@@ -331,17 +332,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"bluecached: {e}", file=sys.stderr)
         return 2
     _setup_logging(cfg.log_level)
-    status = 0
     try:
         daemon = Daemon(cfg, path, args.set)
-        trio.run(daemon.run, strict_exception_groups=True)
-    except* StartupError as group:
-        for e in group.exceptions:
-            log.error("cannot start: %s", e)
-        status = 1
-    except* KeyboardInterrupt:
-        status = 130
-    return status
+    except StartupError as e:
+        log.error("cannot start: %s", e)
+        return 1
+    return run_service(daemon.run, log=log)
 
 
 if __name__ == "__main__":

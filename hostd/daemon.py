@@ -25,6 +25,7 @@ import zmq  # noqa: E402
 
 from bluecached.notify import Notifier  # noqa: E402
 from bluecached.paths import describe  # noqa: E402
+from bluecached.startup import StartupError, run_service  # noqa: E402
 from bluecached.wire import curve, protocol  # noqa: E402
 from bluecached.wire.client import AsyncClient  # noqa: E402
 from bluecached.wire.local_transport import LocalClient  # noqa: E402
@@ -51,10 +52,6 @@ from .mount import (  # noqa: E402
 log = logging.getLogger("hostd")
 UNMOUNT_DRAIN_S = 10
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3   # glibc mallopt parameters
-
-
-class StartupError(Exception):
-    pass
 
 
 def _endpoints(cfg) -> tuple[str, str, str | None, dict | None]:
@@ -298,17 +295,7 @@ def main(argv: list[str] | None = None) -> int:
                         format="%(levelname)s %(name)s: %(message)s" if under_systemd
                         else "%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("pyfuse3").addFilter(answer_to_a_gone_connection)
-    status = 0
-    try:
-        trio.run(run, cfg, path, Notifier(), args.set, strict_exception_groups=True)
-    except* StartupError as group:
-        for e in group.exceptions:
-            log.error("cannot start: %s", e)
-        status = 1
-    except* KeyboardInterrupt:
-        status = 130
-    return status
-
+    return run_service(run, cfg, path, Notifier(), args.set, log=log)
 
 if __name__ == "__main__":
     sys.exit(main())
