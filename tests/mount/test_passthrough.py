@@ -1,0 +1,187 @@
+"""FUSE passthrough against the real kernel: fusefs.Operations over the in-memory cache, whose
+files have memfd backings, mounted through the fuse shim (memory_mount.py). Reads of an open
+file go to the memfd inside the kernel: the cache is asked for no READ at all."""
+
+import json
+import mmap
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).resolve().parent
+MIB = 1 << 20
+
+
+class MemoryMount:
+    def __init__(self, tmp_path: Path, *args: str):
+        self.path = tmp_path / "mnt"
+        self.path.mkdir(parents=True)
+        self.stats_file = tmp_path / "stats.json"
+        self.log = open(tmp_path / "mount.log", "w+")
+        self.proc = subprocess.Popen(
+            [sys.executable, str(HERE / "memory_mount.py"), str(self.path),
+             str(self.stats_file), *args], stdout=self.log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 20
+        while not (self.stats_file.exists() and os.path.ismount(self.path)):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.log.seek(0)
+                pytest.fail(f"the memory mount did not come up: {self.log.read()}")
+            time.sleep(0.05)
+
+    def stats(self) -> dict:
+        self.stats_file.unlink()
+        self.proc.send_signal(signal.SIGUSR1)
+        deadline = time.monotonic() + 10
+        while not self.stats_file.exists():
+            assert time.monotonic() < deadline, "no stats from the memory mount"
+            time.sleep(0.02)
+        return json.loads(self.stats_file.read_text())
+
+    def stop(self) -> None:
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        if os.path.ismount(self.path):
+            subprocess.run(["umount", "-l", str(self.path)], check=False)
+        self.log.close()
+
+
+@pytest.fixture
+def memory_mount(tmp_path):
+    mounts = []
+
+    def make(*args: str) -> MemoryMount:
+        m = MemoryMount(tmp_path / f"m{len(mounts)}", *args)
+        mounts.append(m)
+        return m
+
+    yield make
+    for m in mounts:
+        m.stop()
+
+
+def _write(path: Path, data: bytes) -> None:
+    with open(path, "wb") as f:
+        f.write(data)
+
+
+def _read_all(fd: int, piece: int = MIB) -> bytes:
+    out = bytearray()
+    while chunk := os.read(fd, piece):
+        out += chunk
+    return bytes(out)
+
+
+def test_passthrough_is_negotiated(memory_mount):
+    s = memory_mount().stats()
+    assert s["passthrough"] == 1
+    assert s["kernel_minor"] >= 41   # FUSE_PASSTHROUGH came with 7.40/7.41 (kernel 6.9)
+
+
+def test_reads_of_an_open_file_never_reach_the_cache(memory_mount):
+    m = memory_mount()
+    data = os.urandom(8 * MIB + 12345)
+    _write(m.path / "block", data)
+    fd = os.open(m.path / "block", os.O_RDONLY)
+    try:
+        assert _read_all(fd) == data                         # read(2)
+        assert os.pread(fd, 100, 4 * MIB - 50) == data[4 * MIB - 50:4 * MIB + 50]
+        with mmap.mmap(fd, 0, prot=mmap.PROT_READ) as mapped:   # mmap: the backing file's
+            assert mapped[:] == data
+    finally:
+        os.close(fd)
+    fd = os.open(m.path / "block", os.O_RDONLY | os.O_DIRECT)   # O_DIRECT on a memfd backing
+    try:
+        buf = mmap.mmap(-1, 9 * MIB)   # page-aligned
+        assert os.preadv(fd, [buf], 0) == len(data)
+        assert buf[:len(data)] == data
+    finally:
+        os.close(fd)
+    s = m.stats()
+    assert s["reads"] == 0
+    assert s["replies"] == 2 and s["served"] == 2
+
+
+def test_release_closes_the_backing_id(memory_mount):
+    m = memory_mount()
+    _write(m.path / "a", b"a" * 5000)
+    _write(m.path / "b", b"b" * 5000)
+    fds = [os.open(m.path / name, os.O_RDONLY) for name in ("a", "a", "b")]
+    s = m.stats()
+    assert s["backings_opened"] == 2 and s["inodes_backed"] == 2 and s["backings_closed"] == 0
+    for fd in fds:
+        os.close(fd)
+    s = m.stats()
+    assert s["backings_closed"] == 2 and s["inodes_backed"] == 0
+    with open(m.path / "a", "rb") as f:   # and a new open gets a new one
+        assert f.read() == b"a" * 5000
+    assert m.stats()["backings_opened"] == 3
+
+
+def test_a_write_open_beside_a_passthrough_read(memory_mount):
+    """The kernel fails an open without FOPEN_PASSTHROUGH of an inode open in passthrough mode
+    (EIO); the write open names the inode's backing with FOPEN_DIRECT_IO kept, so its writes
+    reach the cache, which changes the memfd in place: the reader sees them, as on tmpfs."""
+    m = memory_mount()
+    _write(m.path / "f", b"old bytes")
+    reader = os.open(m.path / "f", os.O_RDONLY)
+    try:
+        writer = os.open(m.path / "f", os.O_WRONLY)
+        try:
+            assert os.pwrite(writer, b"new", 0) == 3
+        finally:
+            os.close(writer)
+        assert os.pread(reader, 100, 0) == b"new bytes"
+        with open(m.path / "f", "r+b") as f:   # O_RDWR too
+            f.write(b"NEW")
+        assert os.pread(reader, 100, 0) == b"NEW bytes"
+    finally:
+        os.close(reader)
+    assert (m.path / "f").read_bytes() == b"NEW bytes"
+    s = m.stats()
+    assert s["reads"] == 0 and s["inodes_backed"] == 0
+
+
+def test_a_read_while_the_file_is_being_written_reaches_the_cache(memory_mount):
+    m = memory_mount()
+    with open(m.path / "f", "wb") as writer:
+        writer.write(b"partial")
+        writer.flush()
+        assert (m.path / "f").read_bytes() == b"partial"
+    s = m.stats()
+    assert s["reads"] >= 1 and s["replies"] == 0
+
+
+def test_without_passthrough_reads_reach_the_cache(memory_mount):
+    m = memory_mount("--no-passthrough")
+    data = os.urandom(3 * MIB)
+    _write(m.path / "f", data)
+    assert (m.path / "f").read_bytes() == data
+    s = m.stats()
+    assert s["passthrough"] == -1 and s["replies"] == 0 and s["backing_calls"] == 0
+    assert s["reads"] >= 3
+
+
+def test_max_pages_is_what_the_kernel_splits_reads_by(memory_mount):
+    """max_pages 128 (under the kernel's max_pages_limit, so no sysctl to raise): a 4 MiB
+    direct read reaches the cache as 512 KiB requests."""
+    m = memory_mount("--no-passthrough", "--max-pages", "128")
+    data = os.urandom(4 * MIB)
+    _write(m.path / "f", data)
+    before = m.stats()
+    assert before["max_pages"] == 128
+    fd = os.open(m.path / "f", os.O_RDONLY)
+    try:
+        buf = mmap.mmap(-1, 4 * MIB)
+        assert os.preadv(fd, [buf], 0) == 4 * MIB and buf[:] == data
+    finally:
+        os.close(fd)
+    assert m.stats()["reads"] - before["reads"] == 8
