@@ -42,6 +42,14 @@ class MemoryMount:
             time.sleep(0.02)
         return json.loads(self.stats_file.read_text())
 
+    def stats_once(self, settled) -> dict:
+        """The stats once `settled(stats)` holds (or the last ones, after 5 s): the kernel
+        sends RELEASE after close(2) has returned."""
+        deadline = time.monotonic() + 5
+        while not settled(s := self.stats()) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return s
+
     def stop(self) -> None:
         self.proc.send_signal(signal.SIGTERM)
         try:
@@ -119,11 +127,11 @@ def test_release_closes_the_backing_id(memory_mount):
     assert s["backings_opened"] == 2 and s["inodes_backed"] == 2 and s["backings_closed"] == 0
     for fd in fds:
         os.close(fd)
-    s = m.stats()
+    s = m.stats_once(lambda s: s["backings_closed"] == 2)
     assert s["backings_closed"] == 2 and s["inodes_backed"] == 0
     with open(m.path / "a", "rb") as f:   # and a new open gets a new one
         assert f.read() == b"a" * 5000
-    assert m.stats()["backings_opened"] == 3
+    assert m.stats_once(lambda s: s["backings_closed"] == 3)["backings_opened"] == 3
 
 
 def test_a_write_open_beside_a_passthrough_read(memory_mount):
@@ -146,7 +154,7 @@ def test_a_write_open_beside_a_passthrough_read(memory_mount):
     finally:
         os.close(reader)
     assert (m.path / "f").read_bytes() == b"NEW bytes"
-    s = m.stats()
+    s = m.stats_once(lambda s: s["inodes_backed"] == 0)
     assert s["reads"] == 0 and s["inodes_backed"] == 0
 
 
