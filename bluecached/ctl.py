@@ -10,10 +10,14 @@ import sys
 import time
 from pathlib import Path
 
+from .config import BLUECACHED
 from .wire import curve, protocol
 from .wire.client import RemoteError, SyncClient
 
-DEFAULT_STATE_DIR = "/var/lib/bluecache"
+# The daemon's defaults, from its table: what `up` and the other commands assume unless told.
+DEFAULT_STATE_DIR = BLUECACHED.default("state_dir")
+DEFAULT_CURVE_DIR = BLUECACHED.default("control.curve_dir")
+DEFAULT_METRICS = BLUECACHED.default("metrics.listen")
 
 
 def _size(n: int) -> str:
@@ -171,7 +175,7 @@ def parser() -> argparse.ArgumentParser:
                         f"where the cache keeps its data) (default {DEFAULT_STATE_DIR})")
     p.add_argument("--endpoint", help="talk to a daemon at this endpoint instead "
                                       "(tcp://HOST:PORT uses CURVE keys from --curve-dir)")
-    p.add_argument("--curve-dir", default="/etc/bluecache/curve")
+    p.add_argument("--curve-dir", default=DEFAULT_CURVE_DIR)
     p.add_argument("--curve-name", default="client", help="this client's key pair name")
     p.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for a reply")
     sub = p.add_subparsers(dest="command", required=True)
@@ -190,13 +194,15 @@ def parser() -> argparse.ArgumentParser:
     sub.add_parser("verify", help="re-check every checksum on NVMe (removes bad objects)")
     s = sub.add_parser("up", help="embedded mode: run bluecached and hostd here, mounted, in "
                                   "the foreground (Ctrl-C stops both)")
-    s.add_argument("--mount", default="/mnt/kv-cache", help="mountpoint (default /mnt/kv-cache)")
-    s.add_argument("--dram-size", help="DRAM tier size, e.g. 4GiB (default 4GiB)")
-    s.add_argument("--nvme-size", help="NVMe tier size, e.g. 64GiB; 0 disables (default 64GiB)")
+    s.add_argument("--mount", help="mountpoint (default: hostd's built-in one)")
+    s.add_argument("--dram-size", help="DRAM tier size, e.g. 4GiB (default "
+                                       f"{BLUECACHED.default('tiers.dram.size')})")
+    s.add_argument("--nvme-size", help="NVMe tier size, e.g. 64GiB; 0 disables (default "
+                                       f"{BLUECACHED.default('tiers.nvme.size')})")
     s.add_argument("--no-allow-other", action="store_true",
                    help="only the mounting user may use the mount")
-    s.add_argument("--metrics", default="127.0.0.1:9464", metavar="HOST:PORT",
-                   help='Prometheus endpoint (default 127.0.0.1:9464; "" disables it)')
+    s.add_argument("--metrics", default=DEFAULT_METRICS, metavar="HOST:PORT",
+                   help=f'Prometheus endpoint (default {DEFAULT_METRICS}; "" disables it)')
     s = sub.add_parser("keygen", help="create a CURVE key pair for the tcp:// link")
     s.add_argument("--name", default="server", help="'server' on the DPU, a host name on hosts")
     # `bluecachectl up --state-dir DIR` reads naturally (the README and issue spell it so):

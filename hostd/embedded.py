@@ -15,14 +15,12 @@ import time
 from pathlib import Path
 
 from bluecached import statelock
-from bluecached.config import ConfigError, load_config, parse_size
+from bluecached.config import BLUECACHED, ConfigError, load_config, parse_size
 from bluecached.paths import PathProblem, describe, make_directory, not_a_directory
 from bluecached.supervisor import NotReady, Supervised, python_module, set_options
 
+from .config import HOSTD
 from .mount import mounts_at
-
-DEFAULT_MOUNT = "/mnt/kv-cache"
-DEFAULT_STATE = "/var/lib/bluecache"
 
 
 def _notify_systemd(message: str) -> None:
@@ -42,8 +40,6 @@ def _daemon(name: str, module: str, settings: dict, state: Path) -> Supervised:
                                           *set_options(settings)),
                       state / f"up-{name}.notify", new_session=True, die_with_parent=True)
 
-
-DEFAULT_METRICS = "127.0.0.1:9464"
 
 # The option of `up` that sets each overridden key, for its error messages.
 OPTIONS = {"state_dir": "--state-dir", "metrics.listen": "--metrics",
@@ -68,8 +64,12 @@ def _prepare(mount: str, state: Path, cfg) -> None:
         lock.release()
 
 
-def up(mount: str, state_dir: str, dram_size: str | None, nvme_size: str | None,
-       allow_other: bool = True, metrics: str = DEFAULT_METRICS) -> int:
+def up(mount: str | None, state_dir: str, dram_size: str | None, nvme_size: str | None,
+       allow_other: bool = True, metrics: str | None = None) -> int:
+    """Defaults (None) are the daemons' own, from their tables."""
+    mount = mount or str(HOSTD.default("mountpoint"))
+    if metrics is None:
+        metrics = BLUECACHED.default("metrics.listen")
     state = Path(state_dir).resolve()
     overrides = {"state_dir": str(state), "metrics.listen": metrics}
     if dram_size:

@@ -349,6 +349,13 @@ class Schema:
             frozen=True,
         )
 
+    def default(self, dotted_key: str) -> Any:
+        """The table's default of a key such as `tiers.dram.size`: callers that show or need
+        a default (bluecachectl's options) ask here instead of writing it again."""
+        section, _, rest = dotted_key.partition(".")
+        spec = self.fields[section]
+        return spec.default(rest) if isinstance(spec, Schema) else spec.default
+
     def _build(self, raw: Any, prefix: str, source_of: Callable[[str], str]) -> Any:
         if raw is None:  # a section header whose keys are all commented out
             raw = {}
