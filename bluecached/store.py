@@ -488,7 +488,7 @@ class Store:
             first, last = offset // CHUNK_SIZE, (end - 1) // CHUNK_SIZE
             if len(obj.chunks) <= last:
                 obj.chunks.extend([None] * (last + 1 - len(obj.chunks)))
-            self.tiers.memfd_of(obj)
+            self.tiers.memfd_of(obj, node.size)
             if end > node.size:   # the memfd grows first: a page past its EOF faults
                 self.tiers.set_length(obj, end)
             try:
@@ -550,7 +550,7 @@ class Store:
         be set by the caller. Caller holds the content lock."""
         obj = node.obj
         count = chunk_count(length)
-        self.tiers.memfd_of(obj, spare=False)
+        self.tiers.memfd_of(obj, node.size, spare=False)
         if length > node.size:
             self.tiers.set_length(obj, length)
         if len(obj.chunks) < count:
@@ -617,8 +617,8 @@ class Store:
         elif obj.lock is not None and obj.lock.locked():
             why = "being changed"
         if why is None:
-            memfd = self.tiers.memfd_of(obj, spare=False)
-            self.tiers.set_length(obj, node.size)
+            memfd = self.tiers.memfd_of(obj, node.size, spare=False)
+            self.tiers.fit_memfd(obj)
             if memfd.size != node.size:   # a copy still reads past the end: not yet
                 why = "its memory is being resized"
         if why is not None:

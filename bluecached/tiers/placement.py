@@ -184,12 +184,14 @@ class Tiers:
 
     # -- the memfd's size ------------------------------------------------------------------
 
-    def memfd_of(self, obj: StoredObject, spare: bool = True) -> Memfd:
-        """The resident object's memfd, made for an empty one (from a spare when it is about
-        to be written)."""
+    def memfd_of(self, obj: StoredObject, size: int, spare: bool = True) -> Memfd:
+        """The resident object's memfd, made for one that has no chunks yet (from a spare
+        when it is about to be written); `size` is the object's (a file grown by truncation
+        has one before it has any chunk)."""
         chunks = obj.chunks
         if chunks.memfd is None:
             chunks.memfd = self._new_memfd(None if spare else 0)
+            self.set_length(obj, size)
         return chunks.memfd
 
     def _new_memfd(self, size: int | None) -> Memfd:

@@ -155,6 +155,27 @@ def test_changes_through_other_handles_show_in_the_held_memfd(harness):
     h.check_consistency()
 
 
+def test_a_file_grown_by_truncation_then_written_inside(harness):
+    # it has a size before it has a memfd: the memfd made for the write must be that long
+    h = harness(dram=32 * MiB)
+
+    async def main():
+        parent = h.store.root().ino
+        handle = await h.store.create(parent, b"f", 0o644, 0, 0, os.O_RDWR | os.O_CREAT)
+        await h.store.setattr(handle.node.ino, size=3 * MiB + 5)
+        await h.write(handle.fh, MiB, b"inside")
+        h.store.release(handle.fh)
+        expected = bytes(MiB) + b"inside" + bytes(2 * MiB - 1)
+        assert await h.get("/f") == expected
+        reader = await _open(h, "/f")
+        fd, size = h.store.backing(reader.fh)
+        assert size == os.fstat(fd).st_size and os.pread(fd, 4 * MiB, 0) == expected
+        os.close(fd)
+        h.store.release(reader.fh)
+    h.serve(main)
+    h.check_consistency()
+
+
 def test_a_shrink_waits_while_a_copy_reads_and_the_cut_reads_as_zeros(harness):
     h = harness(dram=32 * MiB)
 
