@@ -92,6 +92,18 @@ HOSTD = Schema("HostdConfig", (
                             "staging slot), while at most 2 files are open for reading (more "
                             "readers keep the daemons busy themselves); never for a file open "
                             "for writing. 0: none."),
+        "passthrough": Field(as_flag(), True,
+                             "Let the kernel read a complete cached file straight from the "
+                             "memory bluecached keeps it in (FUSE passthrough, kernel 6.9+, "
+                             "embedded mode): no read of it reaches hostd. Where that cannot "
+                             "be (a file being written, not in DRAM, DPU mode) reads go "
+                             "through hostd as with false."),
+        "max_pages": Field(as_count(minimum=0, maximum=65535), 0,
+                           "Largest FUSE read request the kernel may send, in 4 KiB pages; 0 "
+                           "keeps libfuse's 256 (1 MiB, the size of hostd's staging slots and "
+                           "read-ahead pieces). More raises the fs.fuse.max_pages_limit sysctl "
+                           "at startup where it is lower. Writes stay at most 1 MiB; reads "
+                           "served by passthrough use no requests."),
         "staging_slots": Field(as_count(minimum=64, maximum=4096), 128,
                                "1 MiB staging buffers shared with the DMA engine: how many POSIX "
                                "requests can be in flight at once (at least 64)."),

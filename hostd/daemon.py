@@ -35,6 +35,7 @@ from fusefs.inplace import InPlaceWrites  # noqa: E402
 from fusefs.ioctl import IoctlDispatch  # noqa: E402
 
 from . import config  # noqa: E402
+from .fuse_features import FuseFeatures  # noqa: E402
 from .fuse_log import answer_to_a_gone_connection  # noqa: E402
 from .ioctl import ZeroCopyTransfers  # noqa: E402
 from .link import DaemonLink, DocaSetupError  # noqa: E402
@@ -137,8 +138,10 @@ async def run(cfg, path: Path | None, notifier, assignments: list[str] | None = 
     link = DaemonLink(client, regions, cfg.mount.staging_slots, cfg.daemon.request_timeout,
                       cfg.doca, ack_staged=cfg.mount.write_ack == "staged",
                       read_ahead=cfg.mount.read_ahead)
+    features = FuseFeatures(SHIM, cfg.mount) if SHIM is not None else None
     ops = Operations(link, Timeouts(cfg.mount.entry_timeout, cfg.mount.attr_timeout,
-                                    cfg.mount.negative_timeout))
+                                    cfg.mount.negative_timeout),
+                     passthrough=features.passthrough if features else None)
     link.on_restart = ops.forget_everything
     with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
         async with trio.open_nursery() as nursery:
@@ -207,7 +210,8 @@ async def run(cfg, path: Path | None, notifier, assignments: list[str] | None = 
                     fuse_done.set()
 
             nursery.start_soon(serve_fuse)
-            notifier.notify(f"READY=1\nSTATUS=serving {mountpoint}")
+            negotiated = f" ({await features.report()})" if features else ""
+            notifier.notify(f"READY=1\nSTATUS=serving {mountpoint}{negotiated}")
             log.info("serving %s from bluecached at %s", mountpoint, control)
             try:
                 async for signum in signals:
@@ -235,6 +239,8 @@ async def run(cfg, path: Path | None, notifier, assignments: list[str] | None = 
     if link.read_ahead is not None:
         log.info("reads answered from read-ahead: %d, read-aheads thrown away: %d",
                  link.read_ahead.served, link.read_ahead.wasted)
+    if features is not None:
+        log.info("%s", features.summary())
     log.info("stopped; hostd copied %d payload bytes", link.bytes_copied)
 
 

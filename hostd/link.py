@@ -158,6 +158,7 @@ class DaemonLink:
         # so the writer gets EFBIG from write(2) rather than from close(2)
         self.max_file_size = 1 << 63
         self.daemon_clears_setid = False
+        self.daemon_backs = False   # bluecached hands out memfds (the backing op)
         self._staging_export = None
         self.staging = Staging(slots)
         self.request_timeout = request_timeout
@@ -202,6 +203,7 @@ class DaemonLink:
         # an optional argument an older daemon would refuse ("unknown argument") on every
         # write by a non-root user: sent only to a daemon that says it knows it
         self.daemon_clears_setid = "kill_suidgid" in hello.get("features", ())
+        self.daemon_backs = "backing" in hello.get("features", ())
         if self.engine == "doca":
             await self._import_staging()
         elif self.regions_path is not None:
@@ -392,6 +394,21 @@ class DaemonLink:
         r = await self.call("open", ino=ino, flags=flags)
         attr = Attr.from_wire(r["attr"])
         return self._add_file(ino, flags, r["fh"], attr.size), attr
+
+    async def backing(self, fh) -> tuple[int, int] | None:
+        """(fd, size) of the memfd holding open file `fh`'s bytes, for the kernel to read it
+        itself (fusefs/passthrough.py); the caller closes fd. None where bluecached has none
+        to give: ENODATA (not complete, not in DRAM, open for writing, or DPU mode, whose
+        client carries no fds) or a daemon without the op."""
+        if not self.daemon_backs:
+            return None
+        try:
+            return await self.client.backing(await self.daemon_fh(fh),
+                                             timeout=self.request_timeout)
+        except RemoteError as e:
+            if e.errno == errno.ENODATA:
+                return None
+            raise
 
     async def read(self, fh, offset, size):
         f = self._files.get(fh)

@@ -193,3 +193,44 @@ def test_max_pages_is_what_the_kernel_splits_reads_by(memory_mount):
     finally:
         os.close(fd)
     assert m.stats()["reads"] - before["reads"] == 8
+
+
+# -- end to end: bluecached hands hostd the object's memfd ----------------------------------
+
+def _hostd_log_after_stop(stack) -> str:
+    stack.hostd.stop(timeout=30)
+    return stack.hostd.log.read_text()
+
+
+def test_hostd_serves_a_cached_file_by_passthrough(mounted):
+    stack = mounted()
+    data = os.urandom(4 * MIB + 100)
+    _write(stack.path("block"), data)
+    # The kernel sends the writer's RELEASE after close(2) returns: an open before it reaches
+    # bluecached finds the file still open for writing, and hostd serves that one itself.
+    time.sleep(0.2)
+    for _ in range(3):
+        assert stack.path("block").read_bytes() == data
+    log = _hostd_log_after_stop(stack)
+    assert "passthrough on" in log
+    served = int(log.split("opens served by passthrough: ")[1].split(",")[0])
+    assert served >= 2
+
+
+def test_hostd_without_passthrough_serves_reads_itself(mounted):
+    stack = mounted(hostd_settings={"mount.passthrough": False})
+    data = os.urandom(2 * MIB)
+    _write(stack.path("block"), data)
+    assert stack.path("block").read_bytes() == data
+    log = _hostd_log_after_stop(stack)   # the kernel had the bytes from hostd alone
+    assert "passthrough on" not in log and "opens served by passthrough" not in log
+
+
+def test_hostd_reads_a_file_open_for_writing_itself(mounted):
+    stack = mounted()
+    with open(stack.path("f"), "wb") as writer:
+        writer.write(b"partial")
+        writer.flush()
+        assert stack.path("f").read_bytes() == b"partial"
+    log = _hostd_log_after_stop(stack)
+    assert "opens served by passthrough: 0, read-only opens served by hostd: 1" in log

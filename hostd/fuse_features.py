@@ -1,0 +1,79 @@
+"""What hostd asks of the kernel's FUSE beyond what libfuse 3.14 knows: passthrough and the
+request size (mount.passthrough, mount.max_pages), both negotiated by the fuse shim in the
+INIT reply (native/fuse_shim.c)."""
+
+import logging
+from pathlib import Path
+
+import trio
+
+from fusefs.passthrough import Passthrough
+
+log = logging.getLogger("hostd")
+MAX_PAGES_LIMIT = Path("/proc/sys/fs/fuse/max_pages_limit")   # kernel 6.13+
+LIBFUSE_PAGES = 256   # what libfuse 3.14 asks for: its 1 MiB request buffer
+
+
+class FuseFeatures:
+    def __init__(self, shim, mount):
+        """Before pyfuse3.init: tells the shim what to negotiate (raising the kernel's limit
+        on max_pages first, as root). `passthrough`: what fusefs serves opens with, or None."""
+        self.shim = shim
+        self.passthrough: Passthrough | None = None
+        self.asked = False
+        pages = mount.max_pages if mount.max_pages != LIBFUSE_PAGES else 0
+        if pages > LIBFUSE_PAGES:
+            _allow_pages(pages)
+        if not mount.passthrough and not pages:
+            return
+        if shim.lib.bc_negotiate(int(mount.passthrough), pages) != 0:
+            log.warning("the fuse shim cannot negotiate passthrough or max_pages (libfuse's "
+                        "operations table is newer than the shim's): reads go through hostd")
+            return
+        self.asked = True
+        if mount.passthrough:
+            self.passthrough = Passthrough(shim)
+
+    async def report(self) -> str:
+        """Once the kernel's INIT has been answered (pyfuse3.main answers it first): logs
+        what was negotiated; returns it in a few words (for systemd's STATUS)."""
+        if not self.asked:
+            return "passthrough off"
+        lib = self.shim.lib
+        with trio.move_on_after(5):
+            # set in C, with nothing to wait on: a few polls, once per mount
+            while lib.bc_max_pages() == 0:  # noqa: ASYNC110
+                await trio.sleep(0.01)
+        if lib.bc_max_pages() == 0:
+            log.warning("the kernel's INIT was not answered through the fuse shim: "
+                        "passthrough and max_pages unknown")
+            return "passthrough unknown"
+        if self.passthrough is None:
+            words = "passthrough off"
+        elif lib.bc_passthrough_state() == 1:
+            words = "passthrough on"
+        else:
+            words = "passthrough not offered by the kernel"
+        log.info("FUSE 7.%d: %s, read requests up to %d KiB", lib.bc_kernel_minor(), words,
+                 lib.bc_max_pages() * 4)
+        return words
+
+    def summary(self) -> str:
+        """At stop: what passthrough served."""
+        p = self.passthrough
+        if p is None:
+            return "passthrough off"
+        return (f"opens served by passthrough: {p.served}, read-only opens served by hostd: "
+                f"{p.declined}")
+
+
+def _allow_pages(pages: int) -> None:
+    try:
+        limit = int(MAX_PAGES_LIMIT.read_text())
+        if limit < pages:
+            MAX_PAGES_LIMIT.write_text(f"{pages}\n")
+    except FileNotFoundError:
+        pass   # before kernel 6.13 the limit is fixed at 256: the kernel caps the request there
+    except (OSError, ValueError) as e:
+        log.warning("cannot raise %s to %d (%s): the kernel caps requests at its limit",
+                    MAX_PAGES_LIMIT, pages, e)
