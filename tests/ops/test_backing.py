@@ -244,3 +244,58 @@ def test_objects_written_into_spares_end_exactly_at_their_size(harness):
             nursery.cancel_scope.cancel()
     h.serve(main)
     h.check_consistency()
+
+
+@pytest.mark.parametrize("held", [True, False])
+def test_random_changes_keep_the_memfd_equal_to_the_file(harness, held):
+    # writes (sparse, across chunk edges), truncations and STOREs through a writer, with a
+    # passthrough reader holding the memfd (after each change its size and bytes are the
+    # file's) or not (objects start in spares: the file's once the writer is gone)
+    import random
+    rng = random.Random(18)
+    h = harness(dram=64 * MiB)
+
+    async def main():
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(map_ahead, h.store.tiers.dram, 16 * MiB)
+            await changes()
+            nursery.cancel_scope.cancel()
+
+    async def changes():
+        model = bytearray(pattern("start", MiB + 77))
+        await h.put("/f", bytes(model))
+        reader = await _open(h, "/f")
+        fd = h.store.backing(reader.fh)[0] if held else None
+        writer = await _open(h, "/f", os.O_RDWR)
+        for step in range(150):
+            op = rng.choice(("write", "write", "write", "truncate", "store"))
+            if op == "write":
+                offset = rng.randrange(0, 6 * MiB)
+                data = pattern(f"w{step}", rng.randrange(1, 2 * MiB))
+                await h.write(writer.fh, offset, data, step=rng.choice((4096, MiB)))
+                if offset > len(model):
+                    model += bytes(offset - len(model))
+                model[offset:offset + len(data)] = data
+            elif op == "truncate":
+                size = rng.randrange(0, 6 * MiB)
+                await h.store.setattr(reader.node.ino, size=size)
+                model = model[:size] + bytes(max(0, size - len(model)))
+            else:
+                data = pattern(f"s{step}", rng.randrange(0, 5 * MiB))
+                h.shm.view[:len(data)] = data
+                await h.store.replace(writer.fh, len(data), h.region, 0)
+                model = bytearray(data)
+            if held:
+                assert os.fstat(fd).st_size == len(model), (step, op)
+                assert os.pread(fd, 8 * MiB, 0) == model, (step, op)
+            elif step % 10 == 0:
+                assert await h.read(reader.fh, 0, 8 * MiB) == model, (step, op)
+        h.store.release(writer.fh)
+        assert await h.read(reader.fh, 0, 8 * MiB) == model
+        memfd = reader.node.obj.chunks.memfd
+        assert os.fstat(memfd.fd).st_size == len(model)
+        if held:
+            os.close(fd)
+        h.store.release(reader.fh)
+    h.serve(main)
+    h.check_consistency()
