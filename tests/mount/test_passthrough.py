@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+from test_read_ahead import CHANGES, pread_aligned, write_closed
 
 HERE = Path(__file__).resolve().parent
 MIB = 1 << 20
@@ -205,16 +206,14 @@ def _hostd_log_after_stop(stack) -> str:
 def test_hostd_serves_a_cached_file_by_passthrough(mounted):
     stack = mounted()
     data = os.urandom(4 * MIB + 100)
-    _write(stack.path("block"), data)
     # The kernel sends the writer's RELEASE after close(2) returns: an open before it reaches
     # bluecached finds the file still open for writing, and hostd serves that one itself.
-    time.sleep(0.2)
-    for _ in range(3):
+    write_closed(stack, stack.path("block"), data)
+    for _ in range(2):
         assert stack.path("block").read_bytes() == data
     log = _hostd_log_after_stop(stack)
     assert "passthrough on" in log
-    served = int(log.split("opens served by passthrough: ")[1].split(",")[0])
-    assert served >= 2
+    assert "opens served by passthrough: 2, read-only opens served by hostd: 0" in log
 
 
 def test_hostd_without_passthrough_serves_reads_itself(mounted):
@@ -224,6 +223,27 @@ def test_hostd_without_passthrough_serves_reads_itself(mounted):
     assert stack.path("block").read_bytes() == data
     log = _hostd_log_after_stop(stack)   # the kernel had the bytes from hostd alone
     assert "passthrough on" not in log and "opens served by passthrough" not in log
+
+
+@pytest.mark.parametrize("change", CHANGES)
+def test_a_passthrough_reader_sees_a_change_made_through_hostd(mounted, change):
+    """The changes test_read_ahead.py makes under hostd's read-ahead, here under a reader
+    the kernel serves from the memfd: bluecached changes the memfd in place."""
+    stack = mounted()
+    path = str(stack.path("changing.bin"))
+    old, new = os.urandom(4 * MIB), os.urandom(4 * MIB)
+    write_closed(stack, path, old)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        assert pread_aligned(fd, MIB, 0) == old[:MIB]
+        expected = CHANGES[change](path, old, new)
+        rest = b""
+        while chunk := pread_aligned(fd, MIB, MIB + len(rest)):
+            rest += chunk
+        assert rest == expected[MIB:], f"stale bytes after {change}"
+    finally:
+        os.close(fd)
+    assert "opens served by passthrough: 1," in _hostd_log_after_stop(stack)
 
 
 def test_hostd_reads_a_file_open_for_writing_itself(mounted):

@@ -1,6 +1,9 @@
 """Read-ahead through a real mount (hostd/readahead.py): a sequential reader's next 1 MiB is
 asked of the daemon before the reader asks for it. It must give the same bytes as no
-read-ahead, and never bytes older than a change the reader could have seen before it read."""
+read-ahead, and never bytes older than a change the reader could have seen before it read.
+
+Reads of a complete file reach hostd only without passthrough (mount.passthrough, on by
+default): these tests switch it off. test_passthrough.py makes the same changes under it."""
 
 import mmap
 import os
@@ -13,6 +16,8 @@ from connectors import llmd_read, llmd_write
 from hostd import ioctl_abi as abi
 from hostd.zerocopy import SharedBuffer, _describe, _ioctl, store_from
 from support import MiB, pattern
+
+HOSTD_READS = {"mount.passthrough": False}   # every read reaches hostd
 
 
 def read_ahead_counts(s) -> tuple[int, int] | None:
@@ -27,7 +32,7 @@ def read_ahead_counts(s) -> tuple[int, int] | None:
 
 @pytest.mark.parametrize("read_ahead", [4, 1, 0])
 def test_sequential_reads_give_the_same_bytes_with_and_without_read_ahead(mounted, read_ahead):
-    s = mounted(hostd_settings={"mount.read_ahead": read_ahead})
+    s = mounted(hostd_settings={"mount.read_ahead": read_ahead, **HOSTD_READS})
     blocks = {f"m/{i:02x}/blk{i}.bin": pattern(f"ra{i}", 8 * MiB + i * 4097) for i in range(4)}
     for rel, data in blocks.items():
         assert llmd_write(s.mnt, rel, data, "t")
@@ -107,7 +112,7 @@ def _rewrite(path, data: bytes) -> None:
 
 @pytest.mark.parametrize("change", CHANGES)
 def test_a_read_after_a_change_sees_the_change_not_bytes_read_ahead_before_it(mounted, change):
-    s = mounted()
+    s = mounted(hostd_settings=HOSTD_READS)
     path = str(s.mnt / "changing.bin")
     old, new = pattern("old", 4 * MiB), pattern("new", 4 * MiB)
     write_closed(s, path, old)
@@ -128,7 +133,7 @@ def test_a_read_after_a_change_sees_the_change_not_bytes_read_ahead_before_it(mo
 def test_store_from_publishes_over_a_file_being_read_ahead(mounted):
     """store_from writes a temporary file and renames it over the name: a handle opened
     before keeps the old file's bytes (POSIX rename), one opened after reads the new."""
-    s = mounted()
+    s = mounted(hostd_settings=HOSTD_READS)
     path = str(s.mnt / "published.bin")
     old, new = pattern("v1", 3 * MiB), pattern("v2", 3 * MiB)
     write_closed(s, path, old)
