@@ -163,6 +163,7 @@ class Supervised:
             if self.proc.poll() is not None:
                 self.drain(0)      # it may have said READY=1 just before it exited
                 if self.ready_at() is None:
+                    self._close_notify()   # it is gone: nobody stops it, nothing more comes
                     raise NotReady(f"{self.name} exited with status {self.proc.returncode} "
                                    f"before it was ready")
                 break

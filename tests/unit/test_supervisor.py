@@ -52,6 +52,8 @@ def test_exit_before_ready_and_a_deadline_are_one_line_each(tmp_path):
                       tmp_path / "q.sock").start()
     with pytest.raises(NotReady, match=r"^quitter exited with status 3 before it was ready$"):
         gone.wait_ready(10)
+    # its notify socket went with it: a caller that never stops a failed start leaks nothing
+    assert not (tmp_path / "q.sock").exists()
     assert gone.stop() == 3
     slow = daemon(tmp_path, delay=30).start()
     try:
