@@ -254,3 +254,30 @@ def test_hostd_reads_a_file_open_for_writing_itself(mounted):
         assert stack.path("f").read_bytes() == b"partial"
     log = _hostd_log_after_stop(stack)
     assert "opens served by passthrough: 0, read-only opens served by hostd: 1" in log
+
+
+@pytest.fixture
+def max_pages_limit():
+    """fs.fuse.max_pages_limit as it was, put back afterwards (hostd raises it)."""
+    limit = Path("/proc/sys/fs/fuse/max_pages_limit")
+    if not limit.exists():
+        pytest.skip("kernel before 6.13: max_pages is capped at 256")
+    before = limit.read_text()
+    yield
+    limit.write_text(before)
+
+
+def test_hostd_asks_for_larger_read_requests(mounted, max_pages_limit):
+    """mount.max_pages 1024: hostd raises the kernel's limit and a reader hostd serves gets
+    4 MiB requests (hostd splits them over its 1 MiB slots), byte-exact."""
+    Path("/proc/sys/fs/fuse/max_pages_limit").write_text("256\n")
+    stack = mounted(hostd_settings={"mount.passthrough": False, "mount.max_pages": 1024})
+    data = os.urandom(9 * MIB)
+    write_closed(stack, stack.path("f"), data)
+    fd = os.open(stack.path("f"), os.O_RDONLY)
+    try:
+        assert pread_aligned(fd, 9 * MIB, 0) == data
+    finally:
+        os.close(fd)
+    assert int(Path("/proc/sys/fs/fuse/max_pages_limit").read_text()) >= 1024
+    assert "read requests up to 4096 KiB" in _hostd_log_after_stop(stack)
