@@ -1,8 +1,9 @@
 """The fuse shim (native/fuse_shim.c, built into hostd._fuse_shim): loaded before pyfuse3.
 
 The shim defines libfuse's fuse_session_new; loaded RTLD_GLOBAL before pyfuse3, it is the one
-pyfuse3 resolves, and so can add the ioctl handler, receive writes in place and read requests
-in a thread of its own. fusefs uses it (inplace.py, ioctl.py), handed the module by hostd.
+pyfuse3 resolves, and so can add the ioctl handler, receive writes in place, read requests
+in a thread of its own and negotiate passthrough. fusefs uses it (inplace.py, ioctl.py,
+passthrough.py), handed the module by hostd.
 """
 
 import os
