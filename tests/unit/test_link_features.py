@@ -1,8 +1,13 @@
-"""hostd sends an optional argument only to a daemon whose hello lists it: a host upgraded
-before its DPU must keep writing (an older daemon refuses unknown arguments)."""
+"""hostd sends an optional argument (or op) only to a daemon whose hello lists it: a host
+upgraded before its DPU must keep writing (an older daemon refuses unknown arguments)."""
 
+import errno
+import os
+
+import pytest
 import trio
 
+from bluecached.wire.client import RemoteError
 from hostd.link import DaemonLink
 
 
@@ -39,3 +44,42 @@ def test_kill_suidgid_goes_only_to_a_daemon_that_knows_it():
     assert sent_args(["kill_suidgid"]).get("kill_suidgid") is True
     assert "kill_suidgid" not in sent_args(None)        # an older daemon: no features
     assert "kill_suidgid" not in sent_args([])
+
+
+class BackingClient(RecordingClient):
+    """Answers `backing` as bluecached's local client does: (fd, size), or RemoteError."""
+
+    def __init__(self, features, answer):
+        super().__init__(features)
+        self.answer = answer
+
+    async def backing(self, fh, timeout=None):
+        self.calls.append(("backing", {"fh": fh}))
+        if isinstance(self.answer, BaseException):
+            raise self.answer
+        return self.answer
+
+
+def backing_of(features, answer):
+    client = BackingClient(features, answer)
+    link = DaemonLink(client, None, slots=2, request_timeout=5)
+
+    async def main():
+        await link.connect()
+        fh = link._add_file(5, os.O_RDONLY, daemon_fh=9, size=0)
+        return await link.backing(fh)
+
+    return trio.run(main, strict_exception_groups=True), client.calls
+
+
+def test_backing_is_asked_only_of_a_daemon_that_has_it():
+    assert backing_of(["backing"], (7, 100)) == ((7, 100), [("backing", {"fh": 9})])
+    assert backing_of(None, (7, 100)) == (None, [])   # an older daemon: never asked
+    assert backing_of(["kill_suidgid"], (7, 100)) == (None, [])
+
+
+def test_enodata_means_no_backing_and_other_errors_fail():
+    assert backing_of(["backing"], RemoteError(errno.ENODATA, "being written"))[0] is None
+    with pytest.raises(RemoteError) as failed:
+        backing_of(["backing"], RemoteError(errno.EIO, "daemon trouble"))
+    assert failed.value.errno == errno.EIO
