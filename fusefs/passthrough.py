@@ -45,11 +45,6 @@ class Passthrough:
     def negotiated(self) -> bool:
         return self.lib.bc_passthrough_state() == 1
 
-    def state(self) -> dict:
-        return {"negotiated": self.negotiated(), "backings": len(self.inodes),
-                "served": self.served, "declined": self.declined,
-                "replies": self.lib.bc_passthrough_opens()}
-
     async def opened(self, cache, ino: int, fh: int, flags: int) -> None:
         """A regular file's open succeeded with handle `fh`; before its reply: registers a
         backing for it where one can be had. Never fails the open."""
