@@ -1,6 +1,6 @@
 """Imports run one way: hostd may import bluecached and fusefs, bluecached never imports hostd or
-fusefs (it ships alone on the DPU), fusefs neither of them, and the application library hostd.zerocopy carries nothing of the
-daemons with it."""
+fusefs (it ships alone on the DPU), fusefs neither of them, and the application library
+hostd.zerocopy carries nothing of the daemons with it."""
 
 import ast
 import subprocess
