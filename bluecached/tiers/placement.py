@@ -157,10 +157,15 @@ class Tiers:
 
     def give_chunks(self, obj: StoredObject, chunks) -> None:
         """Returns chunks to the pool, later if an operation still reads them. A whole
-        content (Chunks) also closes its memfd: the pages live on while any window is mapped
-        (a reader still copying) or another process holds the file (hostd, for a handle
-        released after the object left DRAM)."""
+        content (Chunks) goes with its memfd: to the pool when nobody else may read it, else
+        closed here: the pages live on while any window is mapped (a reader still copying)
+        or another process holds the file (hostd, for a handle released after the object
+        left DRAM)."""
         if isinstance(chunks, Chunks) and chunks.memfd is not None:
+            if not obj.pins and not obj.backed:
+                self.dram.give_content(chunks.memfd, chunks)
+                self._signal_space()
+                return
             chunks.memfd.close()
         chunks = [c for c in chunks if c is not None]
         if obj.pins:
@@ -380,13 +385,8 @@ class Tiers:
 
     def discard_content(self, chunks: Chunks) -> None:
         """Gives back a content no object holds (nobody reads it)."""
-        if chunks.memfd is not None:
-            chunks.memfd.close()
-        for c in chunks:
-            if c is not None:
-                self.dram.give(c)
-        if chunks:
-            self._signal_space()
+        self.dram.give_content(chunks.memfd, chunks)
+        self._signal_space()
 
     async def _wait_for_writeback(self) -> None:
         if self._writeback_can_help():

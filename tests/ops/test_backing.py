@@ -299,3 +299,52 @@ def test_random_changes_keep_the_memfd_equal_to_the_file(harness, held):
         h.store.release(reader.fh)
     h.serve(main)
     h.check_consistency()
+
+
+def test_a_freed_memfd_is_reused_zeroed_within_the_prefault_budget(harness):
+    # while map_ahead runs, a freed object's memfd goes back to it (warm memory: no page
+    # faults for the next writer) up to its budget, and it zeroes it first: nothing of the
+    # old file shows in a new one; past the budget the memory returns at once
+    h = harness(dram=64 * MiB)
+    pool = h.store.tiers.dram
+    pool.ahead_chunks = 8   # what map_ahead(pool, 8 MiB) sets; it runs later
+
+    async def main():
+        root = h.store.root().ino
+        await h.put("/a", pattern("a", 4 * MiB))
+        await h.put("/b", pattern("b", 8 * MiB))
+        kept_a = h.store.ns.resolve("/a").obj.chunks.memfd
+        kept_b = h.store.ns.resolve("/b").obj.chunks.memfd
+        h.store.unlink(root, b"a")      # nothing mapped ahead yet: kept
+        h.store.unlink(root, b"b")      # 4 <= 8: kept (one object may overshoot)
+        assert pool._freed == [kept_a, kept_b] and len(pool._free) == 12
+        await h.put("/c", pattern("c", 4 * MiB))   # no spare yet (none zeroed): a fresh one
+        closed = h.store.ns.resolve("/c").obj.chunks.memfd
+        h.store.unlink(root, b"c")      # 12 > 8: closed, the memory returns
+        assert closed.fd == -1 and pool.used_bytes == 0
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(map_ahead, pool, 8 * MiB)
+            for _ in range(1000):
+                if not pool._freed:
+                    break
+                await trio.sleep(0.005)
+            assert {id(m) for m in pool._spares} == {id(kept_a), id(kept_b)}   # zeroed
+            # sparse and partial writes into each reused memfd read zeros elsewhere
+            for name in (b"d", b"e"):
+                handle = await h.store.create(root, name, 0o644, 0, 0,
+                                              os.O_WRONLY | os.O_CREAT)
+                assert handle.node.obj.chunks.memfd is None
+                await h.write(handle.fh, 2 * MiB + 100, b"middle")
+                assert handle.node.obj.chunks.memfd in (kept_a, kept_b)
+                await h.write(handle.fh, 3 * MiB + 5, b"end")
+                h.store.release(handle.fh)
+                expected = bytes(2 * MiB + 100) + b"middle" + bytes(MiB - 101) + b"end"
+                assert await h.get("/" + name.decode()) == expected
+                reader = await _open(h, "/" + name.decode())
+                fd, size = h.store.backing(reader.fh)
+                assert os.pread(fd, 4 * MiB, 0) == expected
+                os.close(fd)
+                h.store.release(reader.fh)
+            nursery.cancel_scope.cancel()
+    h.serve(main)
+    h.check_consistency()
