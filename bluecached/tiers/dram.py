@@ -56,9 +56,11 @@ def allow_fds_for(capacity: int) -> None:
 class Memfd:
     """One object's memfd: `size` is the file's size now, `length` the object's size as last
     told (they differ only while Tiers.fit_memfd must wait: see there). Windows mapped ahead
-    of need (a spare's) wait in `ahead` until the object takes them."""
+    of need (a spare's) wait in `ahead` until the object takes them. `lent`: another
+    process got it (open_readonly) and may keep it past any handle, so it is never reused
+    for another object's bytes."""
 
-    __slots__ = ("fd", "size", "length", "ahead")
+    __slots__ = ("fd", "size", "length", "ahead", "lent")
 
     def __init__(self, size: int = 0):
         # CLOEXEC: hostd gets it only through the `backing` op, never by inheritance. No
@@ -66,6 +68,7 @@ class Memfd:
         self.fd = os.memfd_create("bluecache-object", os.MFD_CLOEXEC)
         self.size = self.length = 0
         self.ahead: dict[int, mmap.mmap] = {}
+        self.lent = False
         if size:
             self.resize(size)
 
@@ -111,6 +114,7 @@ class Memfd:
 
     def open_readonly(self) -> int:
         """A new read-only open of the file (for a reader that must not write it)."""
+        self.lent = True
         return os.open(f"/proc/self/fd/{self.fd}", os.O_RDONLY | os.O_CLOEXEC)
 
     def close(self) -> None:
@@ -236,7 +240,10 @@ class DramPool:
         closed and its memory returns at once."""
         windows = {i: c for i, c in enumerate(chunks) if c is not None}
         self._in_use -= len(windows)
-        if windows and memfd.fd >= 0 and 0 < self.ahead_chunks >= len(self._free):
+        # Never one that was lent: an application's mmap of a passthrough file maps this
+        # memfd itself and outlives every handle; it must not see the next object's bytes.
+        if (windows and memfd.fd >= 0 and not memfd.lent
+                and 0 < self.ahead_chunks >= len(self._free)):
             end = (max(windows) + 1) * CHUNK_SIZE
             if memfd.size < end:   # every window inside the file: zeroing it cannot fault
                 memfd.resize(end)

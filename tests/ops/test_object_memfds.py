@@ -322,6 +322,16 @@ def test_a_freed_memfd_is_reused_zeroed_within_the_prefault_budget(harness):
         closed = h.store.ns.resolve("/c").obj.chunks.memfd
         h.store.unlink(root, b"c")      # 12 > 8: closed, the memory returns
         assert closed.fd == -1 and pool.used_bytes == 0
+        await h.put("/lent", pattern("lent", MiB))
+        handle = await _open(h, "/lent")
+        fd, _ = h.store.backing(handle.fh)
+        h.store.release(handle.fh)
+        os.close(fd)
+        lent = handle.node.obj.chunks.memfd
+        del pool._freed[:]   # room in the budget again
+        h.store.unlink(root, b"lent")   # once lent, never reused: an mmap may outlive it all
+        assert lent.fd == -1 and not pool._freed
+        pool._freed[:] = [kept_a, kept_b]
         async with trio.open_nursery() as nursery:
             nursery.start_soon(map_ahead, pool, 8 * MiB)
             for _ in range(1000):
