@@ -247,6 +247,9 @@ class DramPool:
             end = (max(windows) + 1) * CHUNK_SIZE
             if memfd.size < end:   # every window inside the file: zeroing it cannot fault
                 memfd.resize(end)
+            if self.before_unmap is not None:   # a window waiting ahead carries no DMA
+                for chunk in windows.values():     # registration: it may be unmapped as is
+                    self.before_unmap(chunk)
             memfd.ahead.update(windows)
             self._freed.append(memfd)
             self._taken.set()   # map_ahead zeroes it once takes pause
