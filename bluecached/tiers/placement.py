@@ -229,13 +229,15 @@ class Tiers:
         """Makes the memfd's size the object's, as soon as that is safe (a passthrough reader
         stops at the memfd's EOF, so it must not see more or less than the object)."""
         memfd = obj.chunks.memfd if obj.chunks is not None else None
-        if memfd is None or memfd.size == memfd.length:
+        if memfd is None:
             return
         if memfd.size < memfd.length:
             memfd.resize(memfd.length)
-        elif self._may_trim(obj):
-            if not obj.writers:
-                memfd.drop_ahead()
+        if not self._may_trim(obj):
+            return
+        if memfd.ahead and not obj.writers:   # complete: the spare's windows not taken go
+            memfd.drop_ahead()                 # (holes of a sparse file among them)
+        if memfd.size > memfd.length:
             memfd.resize(memfd.length)
 
     def drop_dram(self, node: Inode) -> None:

@@ -241,6 +241,20 @@ def test_objects_written_into_spares_end_exactly_at_their_size(harness):
             assert memfd.size == os.fstat(memfd.fd).st_size == 2 * MiB + 3
             assert not memfd.ahead   # the spare's rest is let go once complete
             assert await h.get("/a") == pattern("a", 2 * MiB + 3)
+            # a sparse file exactly as long as a spare: the windows it never took go too
+            for _ in range(400):
+                if len(pool._free) == 8:
+                    break
+                await trio.sleep(0.005)
+            handle = await h.store.create(h.store.root().ino, b"sparse", 0o644, 0, 0,
+                                          os.O_WRONLY | os.O_CREAT)
+            await h.write(handle.fh, 0, b"head")
+            await h.write(handle.fh, 8 * MiB - 4, b"tail")
+            memfd = handle.node.obj.chunks.memfd
+            assert memfd.ahead   # the spare's six middle windows, not taken
+            h.store.release(handle.fh)
+            assert not memfd.ahead and memfd.size == 8 * MiB
+            assert await h.get("/sparse") == b"head" + bytes(8 * MiB - 8) + b"tail"
             nursery.cancel_scope.cancel()
     h.serve(main)
     h.check_consistency()
