@@ -603,7 +603,9 @@ class Store:
         """A read-only fd of the object's memfd and its size, for a client that hands it to
         its kernel as a FUSE passthrough backing file; it holds the fd until it releases the
         handle. ENODATA (serve through the daemon, the open stays good) unless the object is
-        complete and in DRAM: written by nobody, no writer's temporary, not being changed."""
+        complete and in DRAM: written by nobody, no writer's temporary. Its content lock may
+        be held: write-behind holds it while it copies to NVMe, changing nothing, and a
+        truncation changes the memfd in place, which such a reader is to see anyway."""
         handle = self._handle(fh)
         node = handle.node
         obj = node.obj
@@ -614,8 +616,6 @@ class Store:
             why = "not in DRAM"
         elif node.ino in self.tmp_inos:
             why = "a writer's temporary file"
-        elif obj.lock is not None and obj.lock.locked():
-            why = "being changed"
         if why is None:
             memfd = self.tiers.memfd_of(obj, node.size, spare=False)
             self.tiers.fit_memfd(obj)

@@ -102,6 +102,22 @@ def test_no_backing_unless_complete_in_dram(harness):
     h.check_consistency()
 
 
+def test_a_backing_while_write_behind_copies_the_object_to_nvme(harness):
+    h = harness(dram=32 * MiB)
+
+    async def main():
+        await h.put("/f", pattern("f", 2 * MiB))
+        node = h.store.ns.resolve("/f")
+        async with node.obj.content_lock():   # as write-behind holds it, changing nothing
+            handle = await _open(h, "/f")
+            fd, size = h.store.backing(handle.fh)
+        assert os.pread(fd, size, 0) == pattern("f", 2 * MiB)
+        os.close(fd)
+        h.store.release(handle.fh)
+    h.serve(main)
+    h.check_consistency()
+
+
 def test_eviction_skips_an_object_held_as_backing(harness):
     h = harness(dram=8 * MiB, nvme=0)
 
