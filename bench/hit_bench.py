@@ -44,6 +44,7 @@ import time
 from pathlib import Path
 
 import harness
+import yaml
 
 MiB = 1 << 20
 PIECE = 8 * MiB          # llm-d reads in pieces of at most this
@@ -387,8 +388,9 @@ def main() -> int:
     size = 8 * MiB if args.quick else 32 * MiB
     out_dir = args.out or (Path("/tmp/bluecache-hit-bench-quick") if args.quick
                            else harness.ROOT / "docs" / "benchmarks")
-    daemon_settings = dict(kv.split("=", 1) for kv in args.daemon)
-    hostd_settings = dict(kv.split("=", 1) for kv in args.hostd)
+    # VALUE as written in the config file (YAML): `mount.passthrough=false` is a boolean
+    daemon_settings = {k: yaml.safe_load(v) for k, v in (kv.split("=", 1) for kv in args.daemon)}
+    hostd_settings = {k: yaml.safe_load(v) for k, v in (kv.split("=", 1) for kv in args.hostd)}
     results = harness.run_info("hit_bench")
     results.update(threads=threads_list, runs=runs, file_mib=size // MiB,
                    daemon_settings=daemon_settings, hostd_settings=hostd_settings)
