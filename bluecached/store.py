@@ -530,9 +530,10 @@ class Store:
         async with obj.content_lock():
             obj.remote_info = None
             self.tiers.begin_modify(node)
-            if obj.backed and obj.chunks is not None:
-                # A passthrough reader holds the memfd: it must keep seeing this file, so the
-                # bytes go into it, in place (as a write would), not into a new memfd.
+            if obj.chunks is not None and obj.chunks.memfd is not None and obj.chunks.memfd.lent:
+                # The memfd was lent: the kernel may read it for any handle of the inode, or
+                # an application have it mapped, past the handle that got it. They must keep
+                # seeing this file, so the bytes go into it, in place (as a write would).
                 await self._copy_in_place(node, chunks, length)
             else:
                 old, obj.chunks = obj.chunks, chunks

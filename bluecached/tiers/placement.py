@@ -221,9 +221,10 @@ class Tiers:
     @staticmethod
     def _may_trim(obj: StoredObject) -> bool:
         # Pinned: a copy may be touching the pages a shrink would cut (SIGBUS). Being written
-        # and held by no passthrough reader: the rest of a spare is room for the writes to
-        # come (its pages faulted in ahead), trimmed once the object is complete.
-        return not obj.pins and (not obj.writers or obj.backed > 0)
+        # and never lent: the rest of a spare is room for the writes to come (its pages
+        # faulted in ahead), trimmed once the object is complete. Once lent, the kernel may
+        # map it through any handle of the inode (or an application's mmap): exact always.
+        return not obj.pins and (not obj.writers or obj.chunks.memfd.lent)
 
     def fit_memfd(self, obj: StoredObject) -> None:
         """Makes the memfd's size the object's, as soon as that is safe (a passthrough reader

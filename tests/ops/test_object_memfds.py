@@ -192,6 +192,30 @@ def test_a_file_grown_by_truncation_then_written_inside(harness):
     h.check_consistency()
 
 
+def test_once_lent_a_memfd_stays_the_object_s_past_the_handle_that_got_it(harness):
+    # the kernel keeps an inode's backing file while any of its handles is open (a write
+    # handle too), and an application's mmap outlives them all: a STORE after the lending
+    # handle's release still lands in the same memfd
+    h = harness(dram=32 * MiB)
+
+    async def main():
+        await h.put("/f", pattern("f", 2 * MiB))
+        reader = await _open(h, "/f")
+        fd, _ = h.store.backing(reader.fh)
+        h.store.release(reader.fh)
+        writer = await _open(h, "/f", os.O_WRONLY)
+        new = pattern("new", MiB + 3)
+        h.shm.view[:len(new)] = new
+        await h.store.replace(writer.fh, len(new), h.region, 0)
+        await h.store.setattr(writer.node.ino, size=MiB + 1)   # exact even while written
+        assert os.fstat(fd).st_size == MiB + 1
+        assert os.pread(fd, 4 * MiB, 0) == new[:MiB + 1]
+        h.store.release(writer.fh)
+        os.close(fd)
+    h.serve(main)
+    h.check_consistency()
+
+
 def test_a_shrink_waits_while_a_copy_reads_and_the_cut_reads_as_zeros(harness):
     h = harness(dram=32 * MiB)
 
