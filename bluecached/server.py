@@ -211,7 +211,7 @@ class ControlServer:
                 "max_file_size": self.store.max_file_size,
                 # optional arguments this daemon knows, for clients newer than the protocol
                 # version they share with it
-                "features": ["kill_suidgid", "backing"]}
+                "features": ["kill_suidgid", "backing", "open_backing"]}
 
     async def op_ping(self, session) -> dict:
         return {}
@@ -256,9 +256,20 @@ class ControlServer:
         handle = await self.store.create(parent, name, mode, uid, gid, flags, session.id)
         return {"fh": handle.fh, "attr": self._known(session, handle.node)}
 
-    async def op_open(self, session, ino, flags) -> dict:
+    async def op_open(self, session, ino, flags, backing=False) -> dict | WithFd:
+        """With `backing`, a read-only open also brings the memfd (as op_backing), so that a
+        hit costs hostd one round trip: the open is on every cache hit's path."""
         handle = await self.store.open(ino, flags, session.id)
-        return {"fh": handle.fh, "attr": handle.node.attrs()}
+        result = {"fh": handle.fh, "attr": handle.node.attrs()}
+        if not (backing and session.local and flags & os.O_ACCMODE == os.O_RDONLY):
+            return result
+        try:
+            fd, size = self.store.backing(handle.fh)
+        except FsError as e:
+            if e.errno != errno.ENODATA:
+                raise
+            return result
+        return WithFd({**result, "backing_size": size}, fd)
 
     async def _transfer(self, method, fh, offset, length, region, region_offset) -> dict:
         reg = self.regions.acquire(region, region_offset, length)

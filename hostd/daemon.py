@@ -143,6 +143,8 @@ async def run(cfg, path: Path | None, notifier, assignments: list[str] | None = 
                                     cfg.mount.negative_timeout),
                      passthrough=features.passthrough if features else None)
     link.on_restart = ops.forget_everything
+    if features is not None and features.passthrough is not None:
+        link.wants_backing = features.passthrough.negotiated
     with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
         async with trio.open_nursery() as nursery:
             await nursery.start(client.run)

@@ -159,6 +159,11 @@ class DaemonLink:
         self.max_file_size = 1 << 63
         self.daemon_clears_setid = False
         self.daemon_backs = False   # bluecached hands out memfds (the backing op)
+        self.daemon_opens_backed = False   # ... and with a read-only open (open's `backing`)
+        # Whether the kernel can use a memfd (fusefs.Passthrough.negotiated): then read-only
+        # opens ask for it at once. Set by hostd/daemon.py.
+        self.wants_backing = lambda: False
+        self._backings: dict[int, tuple[int, int]] = {}   # fh: (fd, size) the open brought
         self._staging_export = None
         self.staging = Staging(slots)
         self.request_timeout = request_timeout
@@ -204,6 +209,7 @@ class DaemonLink:
         # write by a non-root user: sent only to a daemon that says it knows it
         self.daemon_clears_setid = "kill_suidgid" in hello.get("features", ())
         self.daemon_backs = "backing" in hello.get("features", ())
+        self.daemon_opens_backed = "open_backing" in hello.get("features", ())
         if self.engine == "doca":
             await self._import_staging()
         elif self.regions_path is not None:
@@ -280,7 +286,7 @@ class DaemonLink:
                 await trio.sleep(0.2)
 
     async def call(self, op: str, host_fh: int | None = None, host_fhs: list | None = None,
-                   **args):
+                   with_fd: bool = False, **args):
         """A request, waiting out a daemon restart for those safe to repeat. With `host_fh`
         (`host_fhs`), the daemon's handle (`fhs`) is looked up at each attempt (a restart
         re-opens it)."""
@@ -300,6 +306,9 @@ class DaemonLink:
                     args["fh"] = await self.daemon_fh(host_fh)
                 if host_fhs is not None:
                     args["fhs"] = [await self.daemon_fh(fh) for fh in host_fhs]
+                if with_fd:   # (result, fd or None)
+                    return await self.client.call_with_fd(op, timeout=max(remaining, 0.001),
+                                                          **args)
                 return await self.client.call(op, timeout=max(remaining, 0.001), **args)
             except RemoteError as e:
                 if e.errno == errno.ECONNREFUSED:
@@ -391,15 +400,26 @@ class DaemonLink:
 
     async def open(self, ino, flags):
         await self.inflight.settled(ino)
-        r = await self.call("open", ino=ino, flags=flags)
+        fd = None
+        if (self.daemon_opens_backed and flags & os.O_ACCMODE == os.O_RDONLY
+                and not flags & os.O_TRUNC and self.wants_backing()):
+            r, fd = await self.call("open", ino=ino, flags=flags, backing=True, with_fd=True)
+        else:
+            r = await self.call("open", ino=ino, flags=flags)
         attr = Attr.from_wire(r["attr"])
-        return self._add_file(ino, flags, r["fh"], attr.size), attr
+        fh = self._add_file(ino, flags, r["fh"], attr.size)
+        if fd is not None:
+            self._backings[fh] = (fd, r["backing_size"])   # for backing(fh), asked next
+        return fh, attr
 
     async def backing(self, fh) -> tuple[int, int] | None:
         """(fd, size) of the memfd holding open file `fh`'s bytes, for the kernel to read it
         itself (fusefs/passthrough.py); the caller closes fd. None where bluecached has none
         to give: ENODATA (not complete, not in DRAM, open for writing, or DPU mode, whose
         client carries no fds) or a daemon without the op."""
+        brought = self._backings.pop(fh, None)
+        if brought is not None:
+            return brought
         if not self.daemon_backs:
             return None
         try:
@@ -614,6 +634,9 @@ class DaemonLink:
         await self.call("fsync", host_fh=fh)
 
     async def release(self, fh) -> None:
+        brought = self._backings.pop(fh, None)
+        if brought is not None:   # the open brought one nobody took
+            os.close(brought[0])
         f = self._files.get(fh)
         if f is not None:
             await self.inflight.settled(f.ino)   # their calls name this handle

@@ -100,6 +100,11 @@ class AsyncClient(Handshaking):
         raise RemoteError(errno.ENODATA, "no backing: file descriptors pass only over the "
                                          "local unix socket")
 
+    async def call_with_fd(self, op: str, timeout: float | None = None,
+                           **args) -> tuple[dict, None]:
+        """As LocalClient's: zmq carries no file descriptors, so never one."""
+        return await self.call(op, timeout=timeout, **args), None
+
     def fail_pending(self, err: int, message: str) -> None:
         """Wakes every caller still waiting with an error (the daemon went away: their
         replies will never come)."""

@@ -237,20 +237,29 @@ class LocalClient(Handshaking):
         _close_all(reply.pop("fds", ()))   # none expected
         return _result(reply)
 
+    async def call_with_fd(self, op: str, timeout: float | None = None,
+                           **args) -> tuple[dict, int | None]:
+        """A request whose reply may carry a file descriptor: (result, fd or None). The caller
+        owns the fd."""
+        reply = await self._exchange(op, timeout, args)
+        fds = reply.pop("fds", [])
+        try:
+            result = _result(reply)
+            if len(fds) > 1:
+                raise RemoteError(errno.EPROTO, f"{op}: the reply carried {len(fds)} fds")
+        except BaseException:
+            _close_all(fds)
+            raise
+        return result, (fds[0] if fds else None)
+
     async def backing(self, fh: int, timeout: float | None = None) -> tuple[int, int]:
         """The object's memfd behind open handle `fh`, as (fd, size): the caller owns the fd
         and closes it when it releases the handle. RemoteError ENODATA: serve it through the
         daemon (the handle stays good)."""
-        reply = await self._exchange("backing", timeout, {"fh": fh})
-        fds = reply.pop("fds", [])
-        try:
-            result = _result(reply)
-            if len(fds) != 1:
-                raise RemoteError(errno.ENODATA, f"backing: the reply carried {len(fds)} fds")
-        except BaseException:
-            _close_all(fds)
-            raise
-        return fds[0], result["size"]
+        result, fd = await self.call_with_fd("backing", timeout, fh=fh)
+        if fd is None:
+            raise RemoteError(errno.ENODATA, "backing: the reply carried no fd")
+        return fd, result["size"]
 
     async def _exchange(self, op: str, timeout: float | None, args: dict) -> dict:
         """Sends a request and returns its reply as it came (fds included)."""

@@ -48,7 +48,8 @@ OPS: dict[str, tuple[dict, dict]] = {
     "mknod": ({**_NEW, "rdev": U64}, {}),
     "readlink": ({"ino": U64}, {}),
     "link": ({"ino": U64, "new_parent": U64, "new_name": BYTES}, {}),
-    "open": ({"ino": U64, "flags": U32}, {}),
+    # backing: also the memfd, as the `backing` op gives it (the reply then carries an fd)
+    "open": ({"ino": U64, "flags": U32}, {"backing": BOOL}),
     "read": (_TRANSFER, {}),
     "write": (_TRANSFER, {"kill_suidgid": BOOL}),
     "write_batch": ({"region": U64, "fhs": U64_LIST, "offsets": U64_LIST, "lengths": U64_LIST,

@@ -67,6 +67,45 @@ def test_the_memfd_arrives_over_the_local_socket_byte_exact(daemon):
     files.close()
 
 
+def test_a_read_only_open_brings_the_memfd_in_its_reply(daemon):
+    """open(backing=True): one round trip per cache hit instead of open + backing. Where there
+    is no memfd to give (a write open, a file open for writing), the open stands without one."""
+    d = daemon().start()
+    data = pattern("one-trip", 3 * MiB + 7)
+    files = FileClient(d)
+    files.put("/b", data)
+
+    async def main():
+        async with trio.open_nursery() as nursery:
+            client = await _local_client(d, nursery)
+            assert "open_backing" in client.hello["features"]
+            ino = (await client.call("lookup", parent=ROOT_INO, name=b"b"))["ino"]
+            r, fd = await client.call_with_fd("open", ino=ino, flags=os.O_RDONLY, backing=True)
+            try:
+                assert fd is not None and r["backing_size"] == len(data)
+                assert os.pread(fd, len(data) + 1, 0) == data
+            finally:
+                os.close(fd)
+            await client.call("release", fh=r["fh"])
+
+            wr, wfd = await client.call_with_fd("open", ino=ino, flags=os.O_RDWR, backing=True)
+            assert wfd is None and "backing_size" not in wr
+            # open for writing by another handle: the read-only open gets no memfd either
+            r2, fd2 = await client.call_with_fd("open", ino=ino, flags=os.O_RDONLY, backing=True)
+            assert fd2 is None and "backing_size" not in r2
+            for fh in (wr["fh"], r2["fh"]):
+                await client.call("release", fh=fh)
+            nursery.cancel_scope.cancel()
+
+    trio.run(main, strict_exception_groups=True)
+    # over zmq the open answers as always, without a memfd
+    fh_reply = files.client.call("open", ino=files.client.call(
+        "lookup", parent=ROOT_INO, name=b"b")["ino"], flags=os.O_RDONLY, backing=True)
+    assert "backing_size" not in fh_reply
+    files.client.call("release", fh=fh_reply["fh"])
+    files.close()
+
+
 def test_over_zmq_it_is_always_enodata(daemon):
     d = daemon().start()
     files = FileClient(d)
