@@ -264,10 +264,11 @@ class ControlServer:
         if not (backing and session.local and flags & os.O_ACCMODE == os.O_RDONLY):
             return result
         try:
-            fd, size = self.store.backing(handle.fh)
-        except FsError as e:
-            if e.errno != errno.ENODATA:
-                raise
+            fd, size = await self.store.backing_loaded(handle.fh)
+        except FsError:
+            # No memfd to give (ENODATA), or the promotion failed (EIO: a checksum mismatch
+            # removed the object; ENOSPC): the open stands, and its reads meet what a read
+            # meets, as without passthrough.
             return result
         return WithFd({**result, "backing_size": size}, fd)
 

@@ -2,6 +2,7 @@
 files have memfd backings, mounted through the fuse shim (memory_mount.py). Reads of an open
 file go to the memfd inside the kernel: the cache is asked for no READ at all."""
 
+import errno
 import json
 import mmap
 import os
@@ -244,6 +245,56 @@ def test_a_passthrough_reader_sees_a_change_made_through_hostd(mounted, change):
     finally:
         os.close(fd)
     assert "opens served by passthrough: 1," in _hostd_log_after_stop(stack)
+
+
+def _restart_daemon(stack) -> None:
+    """SIGTERM (everything written behind to NVMe), started again: every file is on NVMe
+    only; hostd reconnects by itself (its requests wait)."""
+    assert stack.daemon.stop() == 0
+    stack.daemon.start()
+
+
+def test_an_nvme_hit_is_promoted_at_open_and_served_by_passthrough(mounted):
+    stack = mounted(allow_log=["lost bluecached"])
+    data = os.urandom(6 * MIB + 4097)
+    write_closed(stack, stack.path("cold.bin"), data)
+    _restart_daemon(stack)
+    assert stack.path("cold.bin").read_bytes() == data
+    client = stack.daemon.client()
+    try:
+        dram = client.call("stats")["tiers"]["dram"]
+    finally:
+        client.close()
+    assert dram["misses"] == 1 and dram["objects"] == 1   # promoted once, at the open
+    log = _hostd_log_after_stop(stack)
+    assert "opens served by passthrough: 1, read-only opens served by hostd: 0" in log
+
+
+def test_an_nvme_object_failing_its_checksum_is_never_served(mounted):
+    """The open promotes it, the CRC32C does not match: no memfd is handed out, the object is
+    removed, and the reader gets EIO, never the rotten bytes."""
+    stack = mounted(allow_log=["lost bluecached", "checksum mismatch", "no content in any tier"])
+    data = os.urandom(3 * MIB)
+    write_closed(stack, stack.path("rot.bin"), data)
+    assert stack.daemon.stop() == 0
+    probe = data[MIB:MIB + 64]
+    for segment in sorted((stack.daemon.root / "nvme").glob("seg-*")):
+        content = segment.read_bytes()
+        at = content.find(probe)
+        if at >= 0:
+            with open(segment, "r+b") as f:
+                f.seek(at + 7)
+                f.write(bytes([content[at + 7] ^ 0x40]))
+            break
+    else:
+        pytest.fail("the file's bytes are in no segment")
+    stack.daemon.start()
+    with pytest.raises(OSError) as e:
+        stack.path("rot.bin").read_bytes()
+    assert e.value.errno == errno.EIO
+    assert not stack.path("rot.bin").exists()
+    stack.hostd.stop(timeout=30)
+    assert "checksum mismatch" in stack.daemon.log.read_text()
 
 
 def test_hostd_reads_a_file_open_for_writing_itself(mounted):
