@@ -558,6 +558,9 @@ class Store:
             obj.chunks.extend([None] * (count - len(obj.chunks)))
         await self.tiers.take_windows(obj.chunks, [i for i in range(count)
                                                    if obj.chunks[i] is None])
+        # A read through the daemon still sees one whole version, as with a new memfd: no
+        # copy out overlaps this copy in (the kernel's passthrough reads may, as on tmpfs).
+        await self.tiers.wait_unpinned(obj)
         self.tiers.pin(obj)
         try:
             await trio.to_thread.run_sync(_copy_pairs, views(obj.chunks, 0, length),
@@ -625,6 +628,12 @@ class Store:
         if why is not None:
             raise FsError(errno.ENODATA, f"no backing: serve through the daemon ({why})")
         fd = memfd.open_readonly()
+        node.atime_ns = self.clock()
+        self.tiers.touch(node)
+        if self.remote is not None:   # the kernel reads it from now on, unseen: count a read
+            self.remote.note_read(node)
+            if node.parent is not None:
+                self.remote.admit(node, "read")
         if not handle.backed:
             handle.backed = True
             obj.backed += 1

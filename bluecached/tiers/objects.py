@@ -26,6 +26,7 @@ class StoredObject:
         "backed",      # open handles whose client holds the memfd (the `backing` op)
         "pins",        # operations touching the chunks right now (copies, write-behind)
         "deferred",    # chunks freed while pinned, returned to the pool at unpin
+        "unpinned",    # trio.Event set when pins drop to 0, while someone waits for that
         "lock",        # serialises changes to the content (write, truncate, promotion)
         "queued",      # waiting for write-behind
         "remote_version",  # the content version the remote tier holds (-1: none known)
@@ -46,6 +47,7 @@ class StoredObject:
         self.backed = 0
         self.pins = 0
         self.deferred: list = []
+        self.unpinned: trio.Event | None = None
         self.lock: trio.Lock | None = None
         self.queued = False
         self.remote_version = -1

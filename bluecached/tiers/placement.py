@@ -186,6 +186,18 @@ class Tiers:
                 deferred, obj.deferred = obj.deferred, []
                 self.give_chunks(obj, deferred)
             self.fit_memfd(obj)
+            if obj.unpinned is not None:
+                obj.unpinned.set()
+                obj.unpinned = None
+
+    @staticmethod
+    async def wait_unpinned(obj: StoredObject) -> None:
+        """Until no copy reads the chunks. The caller holds the content lock, so no reader
+        pins them meanwhile (readers pin under it)."""
+        while obj.pins:
+            if obj.unpinned is None:
+                obj.unpinned = trio.Event()
+            await obj.unpinned.wait()
 
     # -- the memfd's size ------------------------------------------------------------------
 
