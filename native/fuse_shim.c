@@ -491,8 +491,8 @@ static int bc_patch_open(struct bc_open_out *out)
         out->open_flags &= ~BC_FOPEN_KEEP_CACHE;
         if (!b->direct_io) {
             /* A read-only handle: its close(2) need not wait for a FLUSH round trip through
-             * both daemons (a third of a 32 MiB hit's overhead); flush has nothing to do for
-             * it, and RELEASE still comes, asynchronously. */
+             * both daemons; flush has nothing to do for it, and RELEASE still comes,
+             * asynchronously. */
             out->open_flags &= ~BC_FOPEN_DIRECT_IO;
             out->open_flags |= BC_FOPEN_NOFLUSH;
         }

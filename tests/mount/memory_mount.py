@@ -38,7 +38,7 @@ class NoTransfers:
 def stats(cache: MemoryCache, passthrough: Passthrough | None) -> dict:
     lib = SHIM.lib
     return {"reads": cache.calls.count("read"), "backing_calls": cache.calls.count("backing"),
-            "releases": cache.calls.count("release"),
+            "releases": cache.calls.count("release"), "flushes": cache.calls.count("flush"),
             "passthrough": lib.bc_passthrough_state(), "max_pages": lib.bc_max_pages(),
             "kernel_minor": lib.bc_kernel_minor(), "replies": lib.bc_passthrough_opens(),
             "backings_opened": lib.bc_backings_opened_count(),

@@ -100,6 +100,7 @@ def test_reads_of_an_open_file_never_reach_the_cache(memory_mount):
     m = memory_mount()
     data = os.urandom(8 * MIB + 12345)
     _write(m.path / "block", data)
+    flushes = m.stats()["flushes"]
     fd = os.open(m.path / "block", os.O_RDONLY)
     try:
         assert _read_all(fd) == data                         # read(2)
@@ -118,6 +119,7 @@ def test_reads_of_an_open_file_never_reach_the_cache(memory_mount):
     s = m.stats()
     assert s["reads"] == 0
     assert s["replies"] == 2 and s["served"] == 2
+    assert s["flushes"] == flushes   # FOPEN_NOFLUSH: close(2) of a read-only handle asks nothing
 
 
 def test_release_closes_the_backing_id(memory_mount):
