@@ -5,11 +5,13 @@ import errno
 import json
 import os
 import signal
+import socket
 import stat
 import sys
 import time
 from pathlib import Path
 
+from . import __version__
 from .config import BLUECACHED
 from .wire import curve, protocol
 from .wire.client import RemoteError, SyncClient
@@ -33,27 +35,67 @@ def _client(args) -> SyncClient:
         keys = None
         if args.endpoint.startswith("tcp://"):
             keys = curve.client_keys(Path(args.curve_dir), args.curve_name)
+        _check_listening(args.endpoint, args.timeout)
         return SyncClient(args.endpoint, keys, timeout=args.timeout)
     endpoint = protocol.state_dir_endpoints(args.state_dir)["control"]
-    _check_local_socket(Path(endpoint.removeprefix("ipc://")), Path(args.state_dir))
+    _check_local_socket(endpoint, Path(args.state_dir))
+    _check_listening(endpoint, args.timeout)
     return SyncClient(endpoint, timeout=args.timeout)
 
 
-def _check_local_socket(sock: Path, state_dir: Path) -> None:
+# How long the probe of an endpoint waits for a connection (at most --timeout).
+PROBE_TIMEOUT = 2.0
+
+
+def _check_local_socket(endpoint: str, state_dir: Path) -> None:
     """zmq connects to an ipc:// path in the background and would only time out: say at once
     when the socket is not there, or not ours to use."""
+    sock = Path(endpoint.removeprefix("ipc://"))
     try:
         sock.lstat()
     except PermissionError:
         raise RemoteError(errno.EACCES, f"permission denied: {state_dir} is not readable by "
                                         f"this user (run bluecachectl as root)") from None
     except FileNotFoundError:
-        raise RemoteError(errno.ECONNREFUSED, f"bluecached is not running with state "
-                                              f"directory {state_dir} (no {sock.name} there)"
-                          ) from None
+        raise RemoteError(errno.ECONNREFUSED, f"bluecached is not running at {endpoint} "
+                                              f"(no {sock.name} in {state_dir})") from None
     if not os.access(sock, os.W_OK):
         raise RemoteError(errno.EACCES, f"permission denied: {sock} belongs to "
                                         f"{sock.owner()} (run bluecachectl as that user)")
+
+
+def _check_listening(endpoint: str, timeout: float) -> None:
+    """A connection of our own to the endpoint, closed at once: a socket left by a daemon
+    that died, or a port nobody listens on, is a clear line now rather than a reply timeout
+    later (zmq would wait for the daemon to come)."""
+    if endpoint.startswith("ipc://"):
+        family, address = socket.AF_UNIX, endpoint.removeprefix("ipc://")
+    elif endpoint.startswith("tcp://"):
+        host, _, port = endpoint.removeprefix("tcp://").rpartition(":")
+        family, address = None, (host.strip("[]"), int(port))
+    else:
+        return   # another zmq transport: zmq's own errors and timeout
+    wait = min(PROBE_TIMEOUT, timeout)
+    try:
+        if family is None:
+            probe = socket.create_connection(address, timeout=wait)
+        else:
+            probe = socket.socket(family, socket.SOCK_STREAM)
+            probe.settimeout(wait)
+            probe.connect(address)
+    except (ConnectionRefusedError, FileNotFoundError):
+        raise RemoteError(errno.ECONNREFUSED, f"bluecached is not running at {endpoint} "
+                                              "(connection refused)") from None
+    except TimeoutError:
+        raise RemoteError(errno.ETIMEDOUT, f"bluecached is not running at {endpoint} (no "
+                                           f"connection within {wait:g}s: is it running, and "
+                                           "is the port open to this host?)") from None
+    except PermissionError:
+        raise RemoteError(errno.EACCES, f"permission denied: {endpoint}") from None
+    except OSError as e:
+        raise RemoteError(e.errno or errno.EIO, f"cannot reach bluecached at {endpoint}: "
+                                                f"{e.strerror or e}") from None
+    probe.close()
 
 
 def cmd_status(client, args) -> int:
@@ -170,6 +212,7 @@ def cmd_keygen(args) -> int:
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="bluecachectl", description="Operate bluecached.")
+    p.add_argument("--version", action="version", version=f"bluecachectl {__version__}")
     p.add_argument("--state-dir", default=DEFAULT_STATE_DIR,
                    help=f"the daemon's state directory, where its sockets are (with `up`: "
                         f"where the cache keeps its data) (default {DEFAULT_STATE_DIR})")

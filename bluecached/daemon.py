@@ -17,7 +17,7 @@ from pathlib import Path
 import trio
 import zmq
 
-from . import __version__, config, metrics, statelock
+from . import __version__, config, logs, metrics, statelock
 from .compose import build_store
 from .dma import EngineUnavailable, RegionTable, make_engine
 from .dma.loopback import serve_regions
@@ -62,6 +62,8 @@ class Daemon:
         self.server: ControlServer | None = None
         self.events: SocketPump | None = None
         self._auth = None
+        self.serving = False   # READY=1 said and no stop begun: what /readyz answers
+        self.stopping = False
 
     # -- reporting -------------------------------------------------------------------------
 
@@ -106,6 +108,12 @@ class Daemon:
                 "sessions": len(self.server.sessions) if self.server else 0,
                 "verify": self.verifier.progress(), "summary": self.summary(),
                 "remote": self.store.remote.status() if self.store.remote else None}
+
+    async def readiness(self) -> str | None:
+        """/readyz: None while the store is open and requests are served."""
+        if self.serving:
+            return None
+        return "stopping" if self.stopping else "starting (loading the index)"
 
     def summary(self) -> str:
         tiers = self.store.tiers
@@ -191,6 +199,7 @@ class Daemon:
                 async with trio.open_nursery() as services:
                     await self._start_services(services)
                     self.notifier.notify(f"READY=1\nSTATUS={self.summary()}")
+                    self.serving = True
                     log.info("serving on %s (events %s); %s", self.endpoints["control"],
                              self.endpoints["events"], self.summary())
                     async for signum in sigs:
@@ -198,6 +207,7 @@ class Daemon:
                             self.reload()
                             continue
                         log.info("%s: stopping", signal.Signals(signum).name)
+                        self.serving, self.stopping = False, True
                         self.notifier.notify("STOPPING=1")
                         services.cancel_scope.cancel()
                         break
@@ -226,7 +236,8 @@ class Daemon:
                 raise _cannot_listen(local["regions"], e.strerror) from None
         if cfg.metrics.listen:
             try:
-                await services.start(metrics.serve, cfg.metrics.listen, self.stats)
+                await services.start(metrics.serve, cfg.metrics.listen, metrics.routes(
+                    metrics.registry(metrics.StatsCollector(self.stats)), self.readiness))
             except OSError as e:
                 raise StartupError(f"metrics endpoint {cfg.metrics.listen}: cannot listen: "
                                    f"{e.strerror or e}") from None
@@ -308,13 +319,6 @@ def _cannot_listen(endpoint: str, reason: str) -> StartupError:
     return StartupError(f"cannot listen on {path}: {reason}")
 
 
-def _setup_logging(level: str) -> None:
-    under_systemd = "JOURNAL_STREAM" in os.environ or "INVOCATION_ID" in os.environ
-    fmt = "%(levelname)s %(name)s: %(message)s" if under_systemd else \
-        "%(asctime)s %(levelname)s %(name)s: %(message)s"
-    logging.basicConfig(level=level.upper(), format=fmt, stream=sys.stderr)
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="bluecached", description="bluecache cache daemon")
     parser.add_argument("--config", type=Path, help=f"config file (default "
@@ -331,7 +335,7 @@ def main(argv: list[str] | None = None) -> int:
     except config.ConfigError as e:
         print(f"bluecached: {e}", file=sys.stderr)
         return 2
-    _setup_logging(cfg.log_level)
+    logs.setup(cfg.log_level)
     try:
         daemon = Daemon(cfg, path, args.set)
     except StartupError as e:

@@ -1,14 +1,26 @@
-"""Prometheus text exposition of the daemon's stats on a small HTTP endpoint.
+"""Prometheus metrics and health probes on a small HTTP endpoint, served from the daemon's trio
+loop (no thread of its own).
 
-The format is a few lines of text; a tiny trio handler serves it without another thread or a
-global registry (prometheus_client's server runs in a thread of its own).
+prometheus_client writes the exposition (`generate_latest`) from a registry of the daemon's
+own, never the library's global one, so several daemons in one process (the tests) do not
+collide. The values are read when Prometheus scrapes (collectors over the daemon's stats), so
+the request paths only bump plain counters. The same endpoint answers the probes an
+orchestrator asks: /healthz (the process's event loop answers) and /readyz (it serves; 503
+with the reason when it does not). hostd serves its own metrics with this module too.
 """
 
 import logging
+from collections.abc import Awaitable, Callable
 
 import trio
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 log = logging.getLogger("bluecached.metrics")
+
+# The Prometheus text format generate_latest writes (version 0.0.4, in every prometheus_client).
+TEXT_FORMAT = b"text/plain; version=0.0.4; charset=utf-8"
+PLAIN = b"text/plain; charset=utf-8"
 
 # (metric name, type, help, path into the stats dict)
 _TIER_METRICS = [
@@ -57,25 +69,76 @@ _REMOTE_METRICS = [
 ]
 
 
+def family(name: str, kind: str, text: str, labels: list[str] | None = None):
+    """A metric family of `kind` ("counter": exposed as NAME_total, "gauge") to add samples to."""
+    cls = CounterMetricFamily if kind == "counter" else GaugeMetricFamily
+    return cls(name, text + ".", labels=labels or [])
+
+
+class StatsCollector:
+    """bluecached's metrics, read from its stats() dict at each scrape."""
+
+    def __init__(self, stats: Callable[[], dict]):
+        self.stats = stats
+
+    def collect(self):
+        stats = self.stats()
+        for name, kind, text in _TIER_METRICS:
+            metric = family(f"bluecache_tier_{name}", kind, text, ["tier"])
+            for tier, values in stats["tiers"].items():
+                if name in values:
+                    metric.add_metric([tier], values[name])
+            yield metric
+        for name, kind, text in _GLOBAL_METRICS:
+            metric = family(f"bluecache_{name}", kind, text)
+            metric.add_metric([], stats[name])
+            yield metric
+        remote = stats.get("remote")
+        for name, kind, text in _REMOTE_METRICS if remote else ():
+            metric = family(f"bluecache_remote_{name}", kind, text)
+            metric.add_metric([], remote[name])
+            yield metric
+
+
+def registry(*collectors) -> CollectorRegistry:
+    """A registry of the daemon's own with `collectors` (objects with a collect())."""
+    out = CollectorRegistry(auto_describe=False)
+    for collector in collectors:
+        out.register(collector)
+    return out
+
+
 def render(stats: dict) -> str:
-    lines = []
-    for name, kind, text in _TIER_METRICS:
-        metric = f"bluecache_tier_{name}" + ("_total" if kind == "counter" else "")
-        lines += [f"# HELP {metric} {text}.", f"# TYPE {metric} {kind}"]
-        for tier, values in stats["tiers"].items():
-            if name in values:
-                lines.append(f'{metric}{{tier="{tier}"}} {values[name]}')
-    for name, kind, text in _GLOBAL_METRICS:
-        metric = f"bluecache_{name}" + ("_total" if kind == "counter" else "")
-        lines += [f"# HELP {metric} {text}.", f"# TYPE {metric} {kind}", f"{metric} {stats[name]}"]
-    remote = stats.get("remote")
-    for name, kind, text in _REMOTE_METRICS if remote else ():
-        metric = f"bluecache_remote_{name}" + ("_total" if kind == "counter" else "")
-        lines += [f"# HELP {metric} {text}.", f"# TYPE {metric} {kind}", f"{metric} {remote[name]}"]
-    return "\n".join(lines) + "\n"
+    """The exposition of bluecached's `stats` (what /metrics serves)."""
+    return generate_latest(registry(StatsCollector(lambda: stats))).decode()
 
 
-async def _serve_one(stream: trio.SocketStream, stats) -> None:
+# A route answers (HTTP status, content type, body).
+Route = Callable[[], Awaitable[tuple[int, bytes, bytes]]]
+# A readiness check: None when ready, else why not (one line).
+Readiness = Callable[[], Awaitable[str | None]]
+_REASONS = {200: b"OK", 404: b"Not Found", 503: b"Service Unavailable"}
+
+
+def routes(collectors: CollectorRegistry, ready: Readiness) -> dict[bytes, Route]:
+    """/metrics (and /), /healthz and /readyz."""
+
+    async def metrics():
+        return 200, TEXT_FORMAT, generate_latest(collectors)
+
+    async def healthz():   # answered by the event loop: it runs
+        return 200, PLAIN, b"ok\n"
+
+    async def readyz():
+        problem = await ready()
+        if problem is None:
+            return 200, PLAIN, b"ready\n"
+        return 503, PLAIN, f"not ready: {problem}\n".encode()
+
+    return {b"/metrics": metrics, b"/": metrics, b"/healthz": healthz, b"/readyz": readyz}
+
+
+async def _serve_one(stream: trio.SocketStream, table: dict[bytes, Route]) -> None:
     try:
         request = b""
         with trio.move_on_after(5):
@@ -85,23 +148,26 @@ async def _serve_one(stream: trio.SocketStream, stats) -> None:
                     break
                 request += data
         line = request.split(b"\r\n", 1)[0].split()
-        if len(line) >= 2 and line[0] == b"GET" and line[1] in (b"/metrics", b"/"):
-            body, status = render(stats()).encode(), b"200 OK"
-            ctype = b"text/plain; version=0.0.4; charset=utf-8"
+        route = table.get(line[1].split(b"?", 1)[0]) if len(line) >= 2 else None
+        if route is not None and line[0] in (b"GET", b"HEAD"):
+            status, ctype, body = await route()
         else:
-            body, status, ctype = b"not found: try /metrics\n", b"404 Not Found", b"text/plain"
-        await stream.send_all(b"HTTP/1.1 " + status + b"\r\nContent-Type: " + ctype +
-                              b"\r\nContent-Length: " + str(len(body)).encode() +
-                              b"\r\nConnection: close\r\n\r\n" + body)
+            status, ctype = 404, PLAIN
+            body = b"not found: try " + b", ".join(p for p in table if p != b"/") + b"\n"
+        head = (b"HTTP/1.1 %d %s\r\nContent-Type: %s\r\nContent-Length: %d\r\n"
+                b"Connection: close\r\n\r\n" % (status, _REASONS[status], ctype, len(body)))
+        await stream.send_all(head if line[:1] == [b"HEAD"] else head + body)
     except trio.BrokenResourceError:
         pass
     finally:
         await stream.aclose()
 
 
-async def serve(listen: str, stats, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+async def serve(listen: str, table: dict[bytes, Route], *,
+                task_status=trio.TASK_STATUS_IGNORED) -> None:
+    """Serves `table` (routes()) on "HOST:PORT" until cancelled; started once listening."""
     host, _, port = listen.rpartition(":")
     listeners = await trio.open_tcp_listeners(int(port), host=host.strip("[]") or None)
-    log.info("metrics on http://%s/metrics", listen)
+    log.info("metrics on http://%s/metrics (probes: /healthz, /readyz)", listen)
     task_status.started()
-    await trio.serve_listeners(lambda s: _serve_one(s, stats), listeners)
+    await trio.serve_listeners(lambda s: _serve_one(s, table), listeners)

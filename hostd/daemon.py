@@ -23,6 +23,7 @@ import pyfuse3  # noqa: E402
 import trio  # noqa: E402
 import zmq  # noqa: E402
 
+from bluecached import __version__, logs  # noqa: E402
 from bluecached.notify import Notifier  # noqa: E402
 from bluecached.paths import describe  # noqa: E402
 from bluecached.startup import StartupError, run_service  # noqa: E402
@@ -290,6 +291,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="set a dotted key over the config file, e.g. mount.read_ahead=8 "
                              "(VALUE as written in the file); repeatable")
+    parser.add_argument("--version", action="version", version=f"bluecache-hostd {__version__}")
     args = parser.parse_args(argv)
     path = args.config or (config.DEFAULT_PATH if config.DEFAULT_PATH.exists() else None)
     try:
@@ -298,10 +300,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"bluecache-hostd: {e}", file=sys.stderr)
         return 2
     _keep_request_buffers()
-    under_systemd = "INVOCATION_ID" in os.environ
-    logging.basicConfig(level=cfg.log_level.upper(), stream=sys.stderr,
-                        format="%(levelname)s %(name)s: %(message)s" if under_systemd
-                        else "%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logs.setup(cfg.log_level)
     logging.getLogger("pyfuse3").addFilter(answer_to_a_gone_connection)
     return run_service(run, cfg, path, Notifier(), args.set, log=log)
 

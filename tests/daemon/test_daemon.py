@@ -8,6 +8,7 @@ import urllib.request
 
 import pytest
 import zmq
+from prometheus_client.parser import text_string_to_metric_families
 
 from bluecached.wire import protocol
 from support import FileClient, MiB, free_port, pattern
@@ -65,8 +66,10 @@ def test_metrics_endpoint(daemon):
     daemon(**{"metrics.listen": f"127.0.0.1:{port}"}).start()
     body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
     assert '# TYPE bluecache_tier_bytes gauge' in body
-    assert 'bluecache_tier_capacity_bytes{tier="dram"} 268435456' in body
-    assert "bluecache_checksum_failures_total 0" in body
+    samples = {(s.name, tuple(s.labels.items())): s.value
+               for f in text_string_to_metric_families(body) for s in f.samples}
+    assert samples[("bluecache_tier_capacity_bytes", (("tier", "dram"),))] == 268435456
+    assert samples[("bluecache_checksum_failures_total", ())] == 0
 
 
 @pytest.mark.parametrize("text,needle", [
