@@ -45,6 +45,7 @@ class Inode:
         "obj",              # regular files: the store's data record
         "target",           # symlinks: what the link points at (bytes), else None
         "rdev",             # character and block devices: the device number, else 0
+        "xattrs",           # user.* extended attributes: {name: value} or None (xattrs.py)
     )
 
     def __init__(self, ino: int, mode: int, uid: int, gid: int, now: int):
@@ -60,6 +61,7 @@ class Inode:
         self.obj = None
         self.target: bytes | None = None
         self.rdev = 0
+        self.xattrs: dict[bytes, bytes] | None = None
         if stat.S_ISDIR(mode):
             self.nlink = 2
             self.children: dict[bytes, tuple[int, int]] | None = {}

@@ -52,3 +52,12 @@ def errno_for_transfer(e: OSError) -> int:
     if e.errno is None or e.errno in _DAEMON_UNREACHABLE:
         return errno.EIO
     return e.errno
+
+
+def errno_for_xattr(e: OSError) -> int:
+    """An extended-attribute request's errno: as errno_for, but ENOSYS (a daemon or cache that
+    lacks the operation) becomes EOPNOTSUPP. The kernel takes ENOSYS from a getxattr or
+    setxattr to mean "never ask again" for the whole mount, so an upgraded daemon behind it
+    would stay unused until a remount; EOPNOTSUPP is the file system's "no such attributes"."""
+    err = errno_for(e)
+    return errno.EOPNOTSUPP if err == errno.ENOSYS else err

@@ -16,7 +16,7 @@ import pyfuse3
 import trio
 
 from .cache import Attr, Cache
-from .errors import errno_for
+from .errors import errno_for, errno_for_xattr
 from .passthrough import Passthrough
 
 log = logging.getLogger("fusefs")
@@ -345,22 +345,51 @@ class Operations(pyfuse3.Operations):
             self.passthrough.released(fh)
         await self.cache.release(fh)
 
-    # -- deliberately unsupported ----------------------------------------------------------
-    # ENOTSUP is the standard "no extended attributes", which tools like ls and cp treat as
-    # nothing to copy. Locks are not implemented here: the kernel then keeps flock/fcntl locks
-    # local to this host, which is what the connectors (who never lock) need.
+    # -- extended attributes ----------------------------------------------------------------
+    # Only `user.` names reach the cache. Every other namespace is EOPNOTSUPP, answered here:
+    # the kernel asks for `security.capability` before writes that may drop privileges, and
+    # that must not cost a round trip to the cache daemon. The kernel (default_permissions)
+    # checks read or write permission, and refuses user.* on symlinks and special files,
+    # before a request comes; the name and size limits too (255 bytes, 64 KiB). pyfuse3
+    # turns XATTR_CREATE and XATTR_REPLACE into a getxattr before the setxattr.
+    # Locks are not implemented here: the kernel then keeps flock/fcntl locks local to this
+    # host, which is what the connectors (who never lock) need.
 
+    async def _xattr(self, method: str, *args):
+        call = getattr(self.cache, method, None)
+        if call is None:
+            raise pyfuse3.FUSEError(errno.ENOTSUP)
+        try:
+            return await call(*args)
+        except OSError as e:
+            err = errno_for_xattr(e)
+            if err == errno.EIO:
+                log.warning("%s: %s -> EIO", method, e)
+            raise pyfuse3.FUSEError(err) from None
+
+    @staticmethod
+    def _user_only(name: bytes) -> None:
+        if not name.startswith(b"user."):
+            raise pyfuse3.FUSEError(errno.ENOTSUP)
+
+    @_boundary
     async def setxattr(self, inode, name, value, ctx):
-        raise pyfuse3.FUSEError(errno.ENOTSUP)
+        self._user_only(name)
+        await self._xattr("setxattr", inode, name, value)
 
+    @_boundary
     async def getxattr(self, inode, name, ctx):
-        raise pyfuse3.FUSEError(errno.ENOTSUP)
+        self._user_only(name)
+        return await self._xattr("getxattr", inode, name)
 
+    @_boundary
     async def listxattr(self, inode, ctx):
-        raise pyfuse3.FUSEError(errno.ENOTSUP)
+        return await self._xattr("listxattr", inode)
 
+    @_boundary
     async def removexattr(self, inode, name, ctx):
-        raise pyfuse3.FUSEError(errno.ENOTSUP)
+        self._user_only(name)
+        await self._xattr("removexattr", inode, name)
 
     # -- invalidation (called by hostd when the cache removes a file) ----------------------
 

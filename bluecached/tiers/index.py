@@ -9,6 +9,7 @@ import logging
 import stat
 from dataclasses import dataclass, field
 
+from .. import xattrs
 from ..namespace import META_TYPES, ROOT_INO, Inode, Namespace
 from .nvme import Extent
 
@@ -17,7 +18,8 @@ log = logging.getLogger("bluecached.tiers.index")
 # Record tags (one letter: a million records should stay small).
 BOOT = "B"    # (B, boot_number)                   inode numbers of this boot start at boot << 40
 DIR = "D"     # (D, ino, parent, name, mode, uid, gid, atime, mtime, ctime)
-FILE = "F"    # (F, ino, parent, name, mode, uid, gid, atime, mtime, ctime, size, off, len, crcs)
+FILE = "F"    # (F, ino, parent, name, mode, uid, gid, atime, mtime, ctime, size, off, len, crcs
+              #  [, xattrs])   xattrs: [[name, value], ...], only when the file has some
 MOVE = "M"    # (M, ino, parent, name)
 ATTR = "A"    # (A, ino, mode, uid, gid, atime, mtime, ctime)
 DROP = "X"    # (X, ino)
@@ -25,6 +27,7 @@ REMOTE = "R"  # (R, ino)   the file's persisted content is also in the remote ti
 NODE = "N"    # (N, ino, parent, name, mode, uid, gid, atime, mtime, ctime, rdev, target)
               # a symlink (target: bytes) or a FIFO, socket or device node (rdev; target nil)
 NAMES = "L"   # (L, ino, [[parent, name], ...])   every name of an inode with hard links
+XATTRS = "Y"  # (Y, ino, [[name, value], ...])   a journaled inode's user.* attributes, all of them
 
 INO_BOOT_SHIFT = 40  # 2**40 inode numbers per boot: never reused across restarts
 
@@ -39,8 +42,10 @@ def dir_record(node: Inode) -> tuple:
 
 def file_record(node: Inode, extent: Extent | None, crcs: bytes) -> tuple:
     off, length = (extent.offset, extent.length) if extent else (0, 0)
+    # the attributes travel with the content they were set on: one record, one append
+    extra = (xattrs.to_pairs(node.xattrs),) if node.xattrs else ()
     return (FILE, node.ino, node.parent, node.name, *_attr_fields(node), node.size,
-            off, length, crcs)
+            off, length, crcs, *extra)
 
 
 def node_record(node: Inode) -> tuple:
@@ -63,6 +68,10 @@ def move_record(node: Inode) -> tuple:
 
 def attr_record(node: Inode) -> tuple:
     return (ATTR, node.ino, *_attr_fields(node))
+
+
+def xattrs_record(node: Inode) -> tuple:
+    return (XATTRS, node.ino, xattrs.to_pairs(node.xattrs))
 
 
 def drop_record(ino: int) -> tuple:
@@ -163,6 +172,7 @@ class _Replayer:
                 raise ValueError(f"file type {kind:#o} in a {tag} record")
             if tag == NODE and (kind == stat.S_IFLNK) != isinstance(rec[11], bytes):
                 raise ValueError("a symlink's NODE record without a target, or another's with one")
+            table = xattrs.from_pairs(rec[14]) if tag == FILE and len(rec) > 14 else None
             node = self.ns.inodes.get(ino)
             if node is None or stat.S_IFMT(node.mode) != kind:
                 if node is not None:
@@ -178,6 +188,7 @@ class _Replayer:
             if tag == FILE:
                 size, off, length, crcs = rec[10:14]
                 node.size = size
+                node.xattrs = table   # new content: exactly the attributes recorded with it
                 self.out.files[ino] = (size, Extent(off, length) if length else None, crcs)
                 self.out.remote.discard(ino)   # new content: not the one uploaded
         elif tag == MOVE:
@@ -199,6 +210,12 @@ class _Replayer:
             node = self.ns.inodes.get(rec[1])
             if node is not None:
                 self._attrs(node, rec[2:8])
+        elif tag == XATTRS:
+            node = self.ns.inodes.get(rec[1])
+            table = xattrs.from_pairs(rec[2])
+            if node is not None:
+                node.xattrs = table
+                self.out.remote.discard(rec[1])   # the remote copy has the attributes before
         elif tag == DROP:
             self.drop(rec[1])
         elif tag == REMOTE:
@@ -229,12 +246,16 @@ def snapshot_records(ns: Namespace, persisted: dict[int, tuple[Extent | None, by
     The root is always there: only its attributes are recorded (an operator's chown or chmod
     of the mount)."""
     out = [(BOOT, boot), attr_record(ns.inodes[ROOT_INO])]
+    if ns.inodes[ROOT_INO].xattrs:
+        out.append(xattrs_record(ns.inodes[ROOT_INO]))
     linked = []   # inodes with several names: after every directory they are in
     for node in ns.walk():
         if node.ino == ROOT_INO:
             continue
         if node.is_dir:
             out.append(dir_record(node))
+            if node.xattrs:
+                out.append(xattrs_record(node))
         elif node.extra is not None:
             linked.append(node)
         else:

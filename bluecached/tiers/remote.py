@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import errno
 import functools
+import hashlib
 import inspect
 import logging
 import time
@@ -44,7 +45,7 @@ from .dram import CHUNK_SIZE
 from .objects import views
 from .remote_fetch import RemoteFetcher
 from .remote_link import RemoteLink
-from .s3 import RemoteObject, S3Error, S3Store
+from .s3 import SIDECAR_DIR, RemoteObject, S3Error, S3Store, object_metadata, xattrs_metadata
 
 if TYPE_CHECKING:
     from .placement import Tiers
@@ -165,6 +166,7 @@ class RemoteTier:
         self._upload_limiter = trio.CapacityLimiter(max(1, policy.upload_workers))
         self._listed: dict[str, tuple[float, bool]] = {}   # key -> (expiry, is a directory)
         self._file_dirs: dict[int, None] = {}   # directories where a lookup found a file
+        self._sidecars: set[str] = set()   # keys this host uploaded with an xattr sidecar
         self._nursery: trio.Nursery | None = None
 
     @property
@@ -191,6 +193,23 @@ class RemoteTier:
         if node.parent is None or node.extra is not None:
             return None
         return self.key_for(self.store_view.path_of(node))
+
+    def sidecar_key(self, key: str) -> str:
+        """Where the attributes of the object at `key` go when too large for its metadata
+        (s3.SIDECAR_DIR: a directory no lookup can name)."""
+        rel = key[len(self.policy.prefix):].encode()
+        return self.policy.prefix + SIDECAR_DIR + "/" + hashlib.sha256(rel).hexdigest()
+
+    async def _xattrs_of(self, key: str, info: RemoteObject) -> tuple[bool, dict | None]:
+        """(usable, attributes) of a found object: its sidecar fetched if it has one. Not
+        usable: attributes that do not decode, or a sidecar missing or not the one named."""
+        if info.xattrs_bad:
+            return False, None
+        if info.xattrs_sidecar is None:
+            return True, info.xattrs
+        table = await self.link.call(self.s3.get_sidecar, self.sidecar_key(key),
+                                     info.xattrs_sidecar)
+        return table is not None, table
 
     def _wake(self) -> None:
         self._work.set()
@@ -331,6 +350,18 @@ class RemoteTier:
                 raise FsError(errno.ENOENT) from None
             if opening and info is not None:
                 info, opened = info[0], info[1:]
+            table = None
+            if info is not None:
+                try:
+                    usable, table = await self._xattrs_of(key, info)
+                except S3Error as e:
+                    self.link.failed(e)
+                    self.stats.misses += 1
+                    raise FsError(errno.ENOENT) from None
+                if not usable:   # never a file with attributes that are not its own
+                    log.warning("remote object %s: its attributes are missing or damaged; "
+                                "not served", key)
+                    info = None
             self.link.answered()
             try:
                 return store.lookup(parent, name)   # created here while we asked
@@ -345,6 +376,7 @@ class RemoteTier:
                 return store.add_directory(parent, name)
             self._note_file_dir(parent)
             node = store.add_placeholder(parent, name, info)
+            node.xattrs = table
             slot_taken = self.fetcher.found(node, key, opened)
             return node
         finally:
@@ -420,12 +452,14 @@ class RemoteTier:
                     return
             body = views(obj.chunks, 0, node.size)
             known = obj.crcs if obj.persisted and not obj.dirty else None   # NVMe's, current
+            table = node.xattrs   # never changed in place (xattrs.py): compared below
+            node_size = node.size
             tiers.pin(obj)
             obj.uploading = trio.Event()
         started = time.perf_counter()
         try:
-            crcs = await self.link.call(self.s3.put, key, body, CHUNK_SIZE, known,
-                                        limiter=self._upload_limiter)
+            crcs = await self.link.call(self.s3.put, key, body, CHUNK_SIZE, known, table,
+                                        self.sidecar_key(key), limiter=self._upload_limiter)
         except S3Error as e:
             self.link.failed(e)
             if e.unreachable and obj.version == version and node.parent is not None:
@@ -443,8 +477,11 @@ class RemoteTier:
         self.stats.uploads += 1
         self.stats.upload_bytes += node.size
         self._negative.pop(key, None)
-        if obj.version != version or self.key_of(node) != key:
-            await self.link.delete_quietly(key)   # renamed, unlinked or rewritten meanwhile
+        if table and xattrs_metadata(table, object_metadata(node_size, crcs, CHUNK_SIZE))[1]:
+            self._sidecars.add(key)   # its attributes went to a sidecar: it goes with the object
+        if obj.version != version or self.key_of(node) != key or node.xattrs is not table:
+            # renamed, unlinked, rewritten or its attributes changed meanwhile
+            await self._delete(key)
             return
         obj.remote_version = version
         if obj.persisted:
@@ -461,12 +498,21 @@ class RemoteTier:
         if obj is None or key is None or (renamed and obj.remote_info is not None):
             return
         had_copy = self.uploaded(node) or obj.remote_info is not None
+        if obj.remote_info is not None and obj.remote_info.xattrs_sidecar is not None:
+            self._sidecars.add(key)
         obj.remote_version = -1
         obj.remote_info = None
         if had_copy:
             self.stats.deletes += 1
             self._remember_miss(key)
-            self._nursery.start_soon(self.link.delete_quietly, key)
+            self._nursery.start_soon(self._delete, key)
+
+    async def _delete(self, key: str) -> None:
+        """Deletes an object, then its attributes' sidecar if it may have one."""
+        await self.link.delete_quietly(key)
+        if key in self._sidecars:
+            self._sidecars.discard(key)
+            await self.link.delete_quietly(self.sidecar_key(key))
 
     # -- background ------------------------------------------------------------------------
 

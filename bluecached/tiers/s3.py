@@ -17,6 +17,7 @@ from __future__ import annotations
 import base64
 import binascii
 import configparser
+import hashlib
 import http.client
 import io
 import stat
@@ -27,13 +28,25 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import crc32c
+import msgpack
 
 from .. import crc as crcs
+from .. import xattrs as xattr_rules
 
 CRC_META = "bluecache-crc32c"
 SIZE_META = "bluecache-size"
 CHUNKS_META = "bluecache-crc32c-chunks"   # "<chunk size>:<base64 of packed LE u32 CRCs>"
 CHUNKS_META_MAX = 1400     # S3 allows 2 KB of user metadata in all (AWS; RGW is laxer)
+# A file's user.* extended attributes (xattrs.py): inline as base64 of msgpack [[name, value],
+# ...] when that fits beside the other metadata, else in a sidecar object whose SHA-256 the
+# object's metadata names (values go up to 64 KiB, far past the 2 KB metadata limit).
+XATTRS_META = "bluecache-xattrs"
+XATTRS_SIDECAR_META = "bluecache-xattrs-sha256"
+META_BUDGET = 2000         # what all user metadata (keys and values) may take, under 2 KB
+# Sidecars live under prefix + this directory: a name longer than NAME_MAX (255 bytes), which
+# no lookup can ever ask for, so no file or directory of the mount shows it.
+SIDECAR_DIR = ".bluecache-xattrs." + "_" * 240
+SIDECAR_MAX = 2 * xattr_rules.TOTAL_MAX   # a sidecar's body is at most this many bytes
 
 
 class S3Error(Exception):
@@ -62,12 +75,67 @@ class RemoteObject:
     mtime: float         # seconds since the epoch
     chunk_crcs: bytes | None = None   # CRC32C per `chunk_size` chunk, consistent with crc
     chunk_size: int = 0
+    xattrs: dict | None = None         # its user.* attributes when inline in the metadata
+    xattrs_sidecar: str | None = None  # else the SHA-256 (hex) of its sidecar's body
+    xattrs_bad: bool = False           # attribute metadata that does not decode: not served
 
 
 def encode_chunk_crcs(chunk_crcs: bytes, chunk_size: int) -> str | None:
     """The metadata value for the chunk CRCs, or None if it would not fit."""
     value = f"{chunk_size}:{base64.b64encode(chunk_crcs).decode()}"
     return value if len(value) <= CHUNKS_META_MAX else None
+
+
+def _meta_bytes(meta: dict) -> int:
+    return sum(len(k.encode()) + len(v.encode()) for k, v in meta.items())
+
+
+def object_metadata(size: int, chunk_crcs: bytes, chunk_size: int) -> dict:
+    """The checksum metadata of an object (put)."""
+    crc = crcs.object_crc(chunk_crcs, size, chunk_size)
+    meta = {CRC_META: f"{crc:08x}", SIZE_META: str(size)}
+    encoded = encode_chunk_crcs(chunk_crcs, chunk_size)
+    if encoded is not None:
+        meta[CHUNKS_META] = encoded
+    return meta
+
+
+def xattrs_metadata(table: dict | None, meta: dict) -> tuple[dict, bytes | None]:
+    """What an object with these attributes adds to `meta` (its other metadata): the
+    inline field, or the sidecar's digest and the sidecar's body to upload first."""
+    if not table:
+        return {}, None
+    packed = msgpack.packb(xattr_rules.to_pairs(table), use_bin_type=True)
+    inline = base64.b64encode(packed).decode()
+    if _meta_bytes(meta) + len(XATTRS_META) + len(inline) <= META_BUDGET:
+        return {XATTRS_META: inline}, None
+    return {XATTRS_SIDECAR_META: hashlib.sha256(packed).hexdigest()}, packed
+
+
+def decode_xattrs(packed: bytes) -> dict | None:
+    """The table from its packed form; ValueError if malformed."""
+    try:
+        pairs = msgpack.unpackb(packed, raw=False, max_bin_len=SIDECAR_MAX,
+                                max_str_len=SIDECAR_MAX)
+    except (ValueError, TypeError, msgpack.ExtraData, msgpack.FormatError,
+            msgpack.StackError) as e:
+        raise ValueError(f"undecodable attributes: {e}") from None
+    return xattr_rules.from_pairs(pairs)
+
+
+def _xattrs_of(meta: dict) -> dict:
+    """RemoteObject's attribute fields from an answer's metadata."""
+    inline, digest = meta.get(XATTRS_META), meta.get(XATTRS_SIDECAR_META)
+    try:
+        if inline is not None:
+            return {"xattrs": decode_xattrs(base64.b64decode(inline, validate=True))}
+    except (ValueError, binascii.Error):
+        return {"xattrs_bad": True}
+    if digest is not None:
+        if len(digest) != 64:
+            return {"xattrs_bad": True}
+        return {"xattrs_sidecar": digest}
+    return {}
 
 
 def decode_chunk_crcs(value: str | None, size: int, crc: int | None) -> tuple[bytes, int] | None:
@@ -251,7 +319,8 @@ def _describe(r: dict, size: int) -> RemoteObject:
     except ValueError:
         crc = None
     chunks = decode_chunk_crcs(meta.get(CHUNKS_META), size, crc) or (None, 0)
-    return RemoteObject(size, crc, r.get("ETag", ""), r["LastModified"].timestamp(), *chunks)
+    return RemoteObject(size, crc, r.get("ETag", ""), r["LastModified"].timestamp(), *chunks,
+                        **_xattrs_of(meta))
 
 
 class S3Store:
@@ -340,18 +409,23 @@ class S3Store:
             pass
 
     def put(self, key: str, views: list[memoryview], chunk_size: int,
-            chunk_crcs: bytes | None = None) -> int:
+            chunk_crcs: bytes | None = None, xattrs: dict | None = None,
+            sidecar_key: str | None = None) -> int:
         """Uploads the bytes with their CRC32Cs as metadata (per `chunk_size` chunk, computed
-        here unless given, and whole); multipart with parallel parts above the threshold.
-        Returns the chunk CRCs."""
+        here unless given, and whole), and the file's attributes (`xattrs`: inline, or in
+        a sidecar at `sidecar_key` uploaded first); multipart with parallel parts above the
+        threshold. Returns the chunk CRCs."""
         size = sum(len(v) for v in views)
         if chunk_crcs is None:
             chunk_crcs = crcs.chunk_crcs(views, chunk_size)
-        crc = crcs.object_crc(chunk_crcs, size, chunk_size)
-        meta = {CRC_META: f"{crc:08x}", SIZE_META: str(size)}
-        encoded = encode_chunk_crcs(chunk_crcs, chunk_size)
-        if encoded is not None:
-            meta[CHUNKS_META] = encoded
+        meta = object_metadata(size, chunk_crcs, chunk_size)
+        fields, sidecar = xattrs_metadata(xattrs, meta)
+        if sidecar is not None:
+            if sidecar_key is None:
+                raise S3Error(f"put {key}: its attributes need a sidecar and none was named")
+            self._call(f"put {sidecar_key}", self.client.put_object, Key=sidecar_key,
+                       Body=sidecar, ContentLength=len(sidecar))
+        meta.update(fields)
         if size <= self.multipart_threshold:
             self._call(f"put {key}", self.client.put_object, Key=key, Body=ChunkReader(views),
                        ContentLength=size, Metadata=meta)
@@ -378,6 +452,27 @@ class S3Store:
                 pass  # the server's incomplete-upload cleanup (lifecycle) takes it then
             raise
         return chunk_crcs
+
+    def get_sidecar(self, sidecar_key: str, digest: str) -> dict | None:
+        """The attributes in a sidecar, or None if it is missing or is not the one the
+        object names (replaced, damaged): the object is then not served."""
+        try:
+            r = self._call(f"get {sidecar_key}", self.client.get_object, Key=sidecar_key)
+        except Changed:
+            return None
+        body = r["Body"]
+        try:
+            packed = body.read(SIDECAR_MAX + 1)
+        except Exception as e:   # the connection broke mid-body
+            raise _classify(e, f"get {sidecar_key}") from None
+        finally:
+            body.close()
+        if len(packed) > SIDECAR_MAX or hashlib.sha256(packed).hexdigest() != digest:
+            return None
+        try:
+            return decode_xattrs(packed)
+        except ValueError:
+            return None
 
     def get_into(self, key: str, obj: RemoteObject, views: list[memoryview], chunk_size: int,
                  on_chunk=None, opened: tuple[object, int] | None = None) -> bytes:
