@@ -21,6 +21,7 @@ from . import __version__, config, logs, metrics, statelock
 from .compose import build_store
 from .dma import EngineUnavailable, RegionTable, make_engine
 from .dma.loopback import serve_regions
+from .kv_events import KvEvents
 from .notify import Notifier
 from .paths import PathProblem
 from .server import ControlServer
@@ -61,6 +62,7 @@ class Daemon:
         self.verifier = Verifier(self.store)
         self.server: ControlServer | None = None
         self.events: SocketPump | None = None
+        self.kv_events: KvEvents | None = None   # kv_events.enabled: docs/operations.md
         self._auth = None
         self.serving = False   # READY=1 said and no stop begun: what /readyz answers
         self.stopping = False
@@ -88,6 +90,8 @@ class Daemon:
             bad_messages=server.bad_messages if server else 0,
             open_handles=len(self.store.handles),
             regions=len(self.regions))
+        if self.kv_events is not None:
+            out["kv_events"] = dict(self.kv_events.stats, sequence=self.kv_events.seq)
         remote = self.store.remote
         if remote is not None:
             out["tiers"]["remote"] = remote.tier_stats()
@@ -173,10 +177,19 @@ class Daemon:
         self.publisher.setsockopt(zmq.LINGER, 0)
         self.endpoints = {"control": self._bind(self.router, cfg.control.listen, "control"),
                           "events": self._bind(self.publisher, cfg.control.events, "events")}
+        if cfg.kv_events.enabled:
+            self.kv_events = KvEvents(cfg.kv_events)
+            try:
+                self.kv_events.open(self.ctx)
+            except zmq.ZMQError as e:
+                raise StartupError(f"kv_events: cannot listen on {e.endpoint}: "
+                                   f"{zmq.strerror(e.errno)}") from None
 
     def close_sockets(self) -> None:
         self.router.close()
         self.publisher.close()
+        if self.kv_events is not None:
+            self.kv_events.close()
         if self._auth is not None:
             self._auth.stop()
         self.ctx.term()
@@ -229,6 +242,10 @@ class Daemon:
             raise _cannot_listen(local["local"], e.strerror) from None
         self.events = SocketPump(self.publisher)
         services.start_soon(self.events.run)
+        if self.kv_events is not None:   # the held blocks first, then every change
+            self.kv_events.announce_held(self.store.ns)
+            await services.start(self.kv_events.run)
+            self.store.kv_events = self.kv_events
         if self.engine.name == "loopback":   # the doca engine's regions come as DOCA exports
             try:
                 await services.start(serve_regions, local["regions"], self.regions)

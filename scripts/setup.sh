@@ -33,4 +33,8 @@ if [ ! -x .venv/bin/python ]; then
 fi
 .venv/bin/pip install -q --upgrade pip >/dev/null
 .venv/bin/pip install -q -e '.[test]'
+if [ "${1:-}" = "--test" ]; then
+  # The connectors' own modules the tests check bluecache against (tests/connector_code.py).
+  .venv/bin/python scripts/fetch_connector_code.py
+fi
 echo "setup: ready (.venv)" >&2

@@ -38,6 +38,11 @@ from .schema import (
 DEFAULT_PATH = Path("/etc/bluecache/bluecached.yaml")
 
 
+# A socket kv_events binds: tcp://HOST:PORT (HOST may be *) or ipc:///absolute/path.
+_ZMQ_BIND = r"tcp://(\*|[A-Za-z0-9.\-]+|\[[0-9A-Fa-f:.]+\]):[0-9]{1,5}|ipc:///[^\s\x00]+"
+_ZMQ_WANTED = '"tcp://HOST:PORT" (HOST may be *) or "ipc:///PATH"'
+
+
 def _watermarks_ordered(tier: Any) -> tuple[str, str] | None:
     # Eviction runs from high down to low; low >= high would evict forever or never.
     if tier.low_watermark >= tier.high_watermark:
@@ -79,6 +84,18 @@ def _staging_holds_a_chunk(doca: Any) -> tuple[str, str] | None:
     if doca.staging_size < doca.max_chunk:
         return "staging_size", (f"expected at least max_chunk ({doca.max_chunk} bytes), "
                                 f"got {doca.staging_size}")
+    return None
+
+
+def _kv_events_consistent(kv: Any) -> tuple[str, str] | None:
+    # Two sockets cannot bind one endpoint; the topic names only the fields bluecached fills.
+    if kv.replay_endpoint and kv.replay_endpoint == kv.endpoint:
+        return "replay_endpoint", f"expected an endpoint other than endpoint, got {kv.endpoint}"
+    try:
+        kv.topic.format(host="h", model="m", medium="M")
+    except (KeyError, IndexError, ValueError, AttributeError) as e:
+        return "topic", (f"expected text with at most {{host}}, {{model}} and {{medium}} in "
+                         f"braces, got {kv.topic!r} ({type(e).__name__}: {e})")
     return None
 
 
@@ -247,6 +264,39 @@ BLUECACHED = Schema("Config", (
                                   "How often max_bytes and max_age are enforced (one listing "
                                   "of the prefix each time)."),
     }, check=_remote_complete),
+    "kv_events": Schema("KvEventsConfig", (
+        "KV events: BlockStored/BlockRemoved/AllBlocksCleared for the blocks the connectors "
+        "write, in vLLM's KV event format, for llm-d's KV-cache indexer and Dynamo's KV router "
+        "(docs/operations.md, \"KV events\"). Off by default: it binds a socket anyone who "
+        "can reach it may read."), {
+        "enabled": Field(as_flag(), False, "Publish KV events."),
+        "endpoint": Field(as_text(pattern=_ZMQ_BIND, wanted=_ZMQ_WANTED), "tcp://*:5577",
+                          "PUB socket to bind, e.g. tcp://*:5577 or ipc:///run/bluecache/kv."),
+        "replay_endpoint": Field(as_text(pattern=f"({_ZMQ_BIND})?",
+                                         wanted=_ZMQ_WANTED + ' or ""'), "tcp://*:5578",
+                                 "ROUTER socket answering replay requests for missed sequence "
+                                 'numbers (as vLLM\'s); "" for none.'),
+        "topic": Field(as_text(pattern=r"[^\x00-\x1f]{0,255}",
+                               wanted="a topic of at most 255 printable characters"),
+                       "kv@{host}@{model}",
+                       "Topic of each message; {host} is this machine's name, {model} the "
+                       "model directory's name as the connector wrote it (\"/\" as \"_\"), "
+                       "{medium} the medium. llm-d's indexer parses kv@<pod>@<model>; a fixed "
+                       "string such as kv@node1@meta-llama/Llama-3.1-8B works too."),
+        "medium": Field(as_text(pattern=r"[A-Za-z0-9_]{1,32}", wanted="a medium name "
+                                "(letters, digits, _)"), "STORAGE",
+                        "The medium the events name: STORAGE is vLLM's name for a storage "
+                        "tier (Dynamo reads it as its disk tier); llm-d's FS backend says "
+                        "SHARED_STORAGE."),
+        "block_hash": Field(as_choice("int", "bytes"), "int",
+                            "Block hashes as vLLM publishes them by default: int (the low 64 "
+                            "bits) or bytes (VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0)."),
+        "buffer_steps": Field(as_count(minimum=1, maximum=1_000_000), 10000,
+                              "Batches kept for replay."),
+        "hwm": Field(as_count(minimum=1, maximum=10_000_000), 100000,
+                     "High-water mark of the PUB socket per subscriber (a slower one misses "
+                     "what is past it), and events waiting to be published at most."),
+    }, check=_kv_events_consistent),
     "metrics": Schema("MetricsConfig", "Prometheus metrics.", {
         "listen": Field(as_host_port(optional=True), "127.0.0.1:9464",
                         'HTTP endpoint "HOST:PORT" for /metrics; "" or null disables it.'),
