@@ -168,6 +168,7 @@ async def serve(listen: str, table: dict[bytes, Route], *,
     """Serves `table` (routes()) on "HOST:PORT" until cancelled; started once listening."""
     host, _, port = listen.rpartition(":")
     listeners = await trio.open_tcp_listeners(int(port), host=host.strip("[]") or None)
-    log.info("metrics on http://%s/metrics (probes: /healthz, /readyz)", listen)
+    # Names no /readyz: `bluecachectl up` users (and its tests) wait for a line with "ready".
+    log.info("metrics on http://%s/metrics", listen)
     task_status.started()
     await trio.serve_listeners(lambda s: _serve_one(s, table), listeners)
