@@ -108,11 +108,6 @@ def registry(*collectors) -> CollectorRegistry:
     return out
 
 
-def render(stats: dict) -> str:
-    """The exposition of bluecached's `stats` (what /metrics serves)."""
-    return generate_latest(registry(StatsCollector(lambda: stats))).decode()
-
-
 # A route answers (HTTP status, content type, body).
 Route = Callable[[], Awaitable[tuple[int, bytes, bytes]]]
 # A readiness check: None when ready, else why not (one line).
