@@ -119,12 +119,15 @@ class KvEvents:
     # -- sockets ---------------------------------------------------------------------------
 
     def open(self, ctx: zmq.Context) -> None:
-        """Binds the sockets (raises zmq.ZMQError with the endpoint in `endpoint`)."""
+        """Binds or connects the PUB socket as vLLM's publisher does (binds an endpoint with
+        a wildcard host or an ipc:// one, connects to any other: a central subscriber such as
+        llm-d's indexer with its own zmqEndpoint binds, and publishers connect to it), and
+        binds the replay socket. Raises zmq.ZMQError with the endpoint in `endpoint`."""
         cfg = self.cfg
         self.pub = ctx.socket(zmq.PUB)
         self.pub.setsockopt(zmq.LINGER, 0)
         self.pub.setsockopt(zmq.SNDHWM, cfg.hwm)
-        _bind(self.pub, cfg.endpoint)
+        _bind(self.pub, cfg.endpoint, connect=not binds(cfg.endpoint))
         self.endpoints["endpoint"] = cfg.endpoint
         if cfg.replay_endpoint:
             self.replay = ctx.socket(zmq.ROUTER)
@@ -274,9 +277,17 @@ class KvEvents:
         self._replay_pump.send([client, b"", b"", END_SEQ, b""])
 
 
-def _bind(sock: zmq.Socket, endpoint: str) -> None:
+def binds(endpoint: str) -> bool:
+    """Whether the PUB socket binds `endpoint` (vLLM's rule) rather than connects to it."""
+    return "*" in endpoint or "::" in endpoint or endpoint.startswith("ipc://")
+
+
+def _bind(sock: zmq.Socket, endpoint: str, connect: bool = False) -> None:
     try:
-        sock.bind(endpoint)
+        if connect:
+            sock.connect(endpoint)
+        else:
+            sock.bind(endpoint)
     except zmq.ZMQError as e:
         sock.close(linger=0)
         e.endpoint = endpoint

@@ -16,7 +16,23 @@ DEST = ROOT / ".cache" / "connector-code"
 # package==version -> files of its wheel the tests load
 WANTED = {
     "vllm==0.33.0": [
-        "vllm/distributed/kv_events.py",
+        "vllm/distributed/kv_events.py",               # the KV event classes
+        "vllm/config/kv_transfer.py",                  # KVTransferConfig (--kv-transfer-config)
+        "vllm/v1/kv_offload/factory.py",               # spec_name -> spec
+        "vllm/v1/kv_offload/cpu/spec.py",              # cpu_bytes_to_use
+        "vllm/v1/kv_offload/tiering/factory.py",       # secondary tier type -> class
+        "vllm/v1/kv_offload/tiering/fs/manager.py",    # the FS tier's parameters
+    ],
+    "lmcache==0.5.6": [
+        "lmcache/logging.py",
+        "lmcache/v1/config_base.py",
+        "lmcache/v1/config.py",                        # LMCacheEngineConfig
+    ],
+    "sglang==0.5.23": [
+        "sglang/srt/arg_groups/arg_utils.py",
+        "sglang/srt/arg_groups/choices.py",
+        "sglang/srt/arg_groups/fields/memory.py",      # the --hicache-* options
+        "sglang/srt/mem_cache/hicache_storage.py",     # HiCacheFile: file_storage_path
     ],
 }
 

@@ -67,3 +67,87 @@ def vllm_kv_events() -> types.ModuleType:
         "vllm.v1.core.kv_cache_utils": {"ExternalBlockHash": bytes | int},
     }
     return _load("vllm_0_33_kv_events", path, stubs)
+
+
+def _load_package_modules(package: str, names: dict[str, str], stubs: dict[str, dict]):
+    """Loads several modules of one package under their own names (they import each other),
+    with `stubs` for the rest; every name is taken out of sys.modules again afterwards."""
+    added = {**stubs, **{name: None for name in names}}
+    saved = {key: sys.modules.get(key) for key in added}
+    try:
+        for key, attrs in stubs.items():
+            module = types.ModuleType(key)
+            module.__dict__.update(attrs)
+            sys.modules[key] = module
+        loaded = {}
+        for name, relative in names.items():
+            spec = importlib.util.spec_from_file_location(name, source(package, relative))
+            module = importlib.util.module_from_spec(spec)
+            sys.modules[name] = module
+            spec.loader.exec_module(module)
+            loaded[name] = module
+        return loaded
+    finally:
+        for key, old in saved.items():
+            if old is None:
+                sys.modules.pop(key, None)
+            else:
+                sys.modules[key] = old
+
+
+def vllm_kv_transfer_config() -> type:
+    """vLLM 0.33.0's KVTransferConfig, the class `--kv-transfer-config` is parsed into: a
+    pydantic dataclass whose unknown keys are errors. Its module imports vLLM's `config`
+    decorator (stubbed with what vllm/config/utils.py documents it to be: a pydantic dataclass
+    with extra="forbid"), a hash helper and the platform (for kv_buffer_device's default)."""
+    pytest.importorskip("pydantic", reason="pydantic (the test extra) builds vLLM's config")
+    from pydantic import ConfigDict
+    from pydantic.dataclasses import dataclass
+
+    def config(cls=None, **kwargs):
+        def decorate(c):
+            return dataclass(c, config=ConfigDict(extra="forbid"), **kwargs)
+        return decorate if cls is None else decorate(cls)
+
+    path = source(VLLM, "vllm/config/kv_transfer.py")
+    module = _load("vllm_0_33_kv_transfer", path, {
+        "vllm": {}, "vllm.config": {}, "vllm.utils": {},
+        "vllm.config.utils": {"config": config},
+        "vllm.utils.hashing": {"safe_hash": None},
+        "vllm.platforms": {"current_platform": types.SimpleNamespace(device_type="cuda")},
+    })
+    return module.KVTransferConfig
+
+
+LMCACHE = "lmcache-0.5.6"
+SGLANG = "sglang-0.5.23"
+
+
+def lmcache_engine_config() -> type:
+    """LMCache 0.5.6's LMCacheEngineConfig (lmcache/v1/config.py) with its validation. Its
+    package's __init__ imports torch, so its three modules are loaded alone; `requests`
+    (used only to fetch a config from a URL) is stubbed."""
+    modules = _load_package_modules(LMCACHE, {
+        "lmcache.logging": "lmcache/logging.py",
+        "lmcache.v1.config_base": "lmcache/v1/config_base.py",
+        "lmcache.v1.config": "lmcache/v1/config.py",
+    }, {"lmcache": {}, "lmcache.v1": {}, "requests": {"RequestException": OSError}})
+    return modules["lmcache.v1.config"].LMCacheEngineConfig
+
+
+def sglang_memory_options():
+    """An argparse parser of SGLang 0.5.23's `memory` options (--enable-hierarchical-cache,
+    --hicache-*), built by SGLang's own add_cli_args_from_dataclass from its Memory struct.
+    SGLang's package __init__ imports torch, so these modules are loaded alone."""
+    import argparse
+    pytest.importorskip("msgspec", reason="msgspec (the test extra) builds SGLang's options")
+    modules = _load_package_modules(SGLANG, {
+        "sglang.srt.arg_groups.arg_utils": "sglang/srt/arg_groups/arg_utils.py",
+        "sglang.srt.arg_groups.choices": "sglang/srt/arg_groups/choices.py",
+        "sglang.srt.arg_groups.fields.memory": "sglang/srt/arg_groups/fields/memory.py",
+    }, {name: {} for name in ("sglang", "sglang.srt", "sglang.srt.arg_groups",
+                                "sglang.srt.arg_groups.fields")})
+    parser = argparse.ArgumentParser(prog="sglang.launch_server", exit_on_error=False)
+    modules["sglang.srt.arg_groups.arg_utils"].add_cli_args_from_dataclass(
+        parser, modules["sglang.srt.arg_groups.fields.memory"].Memory)
+    return parser

@@ -271,7 +271,9 @@ BLUECACHED = Schema("Config", (
         "can reach it may read."), {
         "enabled": Field(as_flag(), False, "Publish KV events."),
         "endpoint": Field(as_text(pattern=_ZMQ_BIND, wanted=_ZMQ_WANTED), "tcp://*:5577",
-                          "PUB socket to bind, e.g. tcp://*:5577 or ipc:///run/bluecache/kv."),
+                          "PUB socket: bound where the host is * (or ipc://), else connected "
+                          "to (a subscriber that binds, as llm-d's indexer with its own "
+                          "zmqEndpoint), as vLLM's kv-events endpoint."),
         "replay_endpoint": Field(as_text(pattern=f"({_ZMQ_BIND})?",
                                          wanted=_ZMQ_WANTED + ' or ""'), "tcp://*:5578",
                                  "ROUTER socket answering replay requests for missed sequence "

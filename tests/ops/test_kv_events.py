@@ -413,3 +413,43 @@ def test_kv_events_are_off_by_default():
     cfg = config.load_config(None).kv_events
     assert not cfg.enabled
     assert (cfg.medium, cfg.block_hash, cfg.topic) == ("STORAGE", "int", "kv@{host}@{model}")
+
+
+def test_an_endpoint_without_a_wildcard_is_connected_to_as_vllm_does(tmp_path, harness, vllm):
+    """llm-d's indexer with its own zmqEndpoint binds; publishers connect to it."""
+    import msgspec
+    h = harness()
+    ctx = zmq.Context()
+    indexer = ctx.socket(zmq.SUB)
+    indexer.setsockopt(zmq.LINGER, 0)
+    indexer.setsockopt(zmq.SUBSCRIBE, b"kv@")
+    port = indexer.bind_to_random_port("tcp://127.0.0.1")
+    cfg = kv_config(tmp_path, f"kv_events.endpoint=tcp://127.0.0.1:{port}")
+    kv = KvEvents(cfg, host="n")
+    kv.open(ctx)
+    h.store.kv_events = kv
+    d = digest("connected")
+    decoder = msgspec.msgpack.Decoder(vllm.KVEventBatch)
+
+    async def main():
+        async with trio.open_nursery() as nursery:
+            await nursery.start(kv.run)
+            for _ in range(400):   # until the connection and the subscription are up
+                kv.cleared("probe", model=MODEL)
+                await trio.lowlevel.checkpoint()
+                if await trio.to_thread.run_sync(indexer.poll, 50):
+                    break
+            while await trio.to_thread.run_sync(indexer.poll, 50):
+                indexer.recv_multipart()
+            await write_block(h, block(d), b"c" * 4096)
+            assert await trio.to_thread.run_sync(indexer.poll, 20_000)
+            topic, _, payload = indexer.recv_multipart()
+            nursery.cancel_scope.cancel()
+        return topic, decoder.decode(payload)
+
+    topic, batch = run(main)
+    assert topic == f"kv@n@{MODEL}".encode()
+    assert batch.events[0].block_hashes == [low64(d)]
+    indexer.close()
+    kv.close()
+    ctx.term()
