@@ -22,6 +22,8 @@ WANTED = {
         "vllm/v1/kv_offload/cpu/spec.py",              # cpu_bytes_to_use
         "vllm/v1/kv_offload/tiering/factory.py",       # secondary tier type -> class
         "vllm/v1/kv_offload/tiering/fs/manager.py",    # the FS tier's parameters
+        "vllm/distributed/kv_transfer/kv_connector/factory.py",   # kv_connector names
+        "vllm/distributed/kv_transfer/kv_connector/v1/offloading/config.py",   # block_size
     ],
     "lmcache==0.5.6": [
         "lmcache/logging.py",

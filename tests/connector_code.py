@@ -8,6 +8,7 @@ by path, with stubs for the few imports of the packages that they do not use. A 
 needs one skips, saying why, when it is not there.
 """
 
+import contextlib
 import importlib.util
 import logging
 import sys
@@ -30,25 +31,38 @@ def source(package: str, relative: str) -> Path:
     return path
 
 
-def _load(name: str, path: Path, stubs: dict[str, dict]) -> types.ModuleType:
-    """Executes `path` as module `name`, with `stubs` (module name -> attributes) in
-    sys.modules only while it runs, so nothing of the stubs outlives the load."""
+@contextlib.contextmanager
+def _stubbed(stubs: dict[str, dict]):
+    """`stubs` (module name -> attributes) in sys.modules while the block runs, and whatever
+    the block adds to sys.modules under those names taken out again at its end."""
     saved = {key: sys.modules.get(key) for key in stubs}
     for key, attrs in stubs.items():
-        module = types.ModuleType(key)
-        module.__dict__.update(attrs)
-        sys.modules[key] = module
+        if attrs is not None:
+            module = types.ModuleType(key)
+            module.__dict__.update(attrs)
+            sys.modules[key] = module
     try:
-        spec = importlib.util.spec_from_file_location(name, path)
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        return module
+        yield
     finally:
         for key, old in saved.items():
             if old is None:
                 sys.modules.pop(key, None)
             else:
                 sys.modules[key] = old
+
+
+def _exec(name: str, path: Path) -> types.ModuleType:
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def _load(name: str, path: Path, stubs: dict[str, dict]) -> types.ModuleType:
+    """Executes `path` as module `name`, with `stubs` in sys.modules only while it runs."""
+    with _stubbed({**stubs, name: None}):
+        return _exec(name, path)
 
 
 def vllm_kv_events() -> types.ModuleType:
@@ -69,37 +83,12 @@ def vllm_kv_events() -> types.ModuleType:
     return _load("vllm_0_33_kv_events", path, stubs)
 
 
-def _load_package_modules(package: str, names: dict[str, str], stubs: dict[str, dict]):
-    """Loads several modules of one package under their own names (they import each other),
-    with `stubs` for the rest; every name is taken out of sys.modules again afterwards."""
-    added = {**stubs, **{name: None for name in names}}
-    saved = {key: sys.modules.get(key) for key in added}
-    try:
-        for key, attrs in stubs.items():
-            module = types.ModuleType(key)
-            module.__dict__.update(attrs)
-            sys.modules[key] = module
-        loaded = {}
-        for name, relative in names.items():
-            spec = importlib.util.spec_from_file_location(name, source(package, relative))
-            module = importlib.util.module_from_spec(spec)
-            sys.modules[name] = module
-            spec.loader.exec_module(module)
-            loaded[name] = module
-        return loaded
-    finally:
-        for key, old in saved.items():
-            if old is None:
-                sys.modules.pop(key, None)
-            else:
-                sys.modules[key] = old
-
-
-def vllm_kv_transfer_config() -> type:
-    """vLLM 0.33.0's KVTransferConfig, the class `--kv-transfer-config` is parsed into: a
-    pydantic dataclass whose unknown keys are errors. Its module imports vLLM's `config`
-    decorator (stubbed with what vllm/config/utils.py documents it to be: a pydantic dataclass
-    with extra="forbid"), a hash helper and the platform (for kv_buffer_device's default)."""
+def vllm_kv_transfer_config():
+    """A function that builds vLLM 0.33.0's KVTransferConfig, the class
+    `--kv-transfer-config` is parsed into (a pydantic dataclass whose unknown keys are errors),
+    from a dict. Its module imports vLLM's `config` decorator (stubbed with what
+    vllm/config/utils.py says it is: a pydantic dataclass with extra="forbid"), a hash helper
+    and, when an instance is made, the platform (kv_buffer_device's default)."""
     pytest.importorskip("pydantic", reason="pydantic (the test extra) builds vLLM's config")
     from pydantic import ConfigDict
     from pydantic.dataclasses import dataclass
@@ -110,13 +99,16 @@ def vllm_kv_transfer_config() -> type:
         return decorate if cls is None else decorate(cls)
 
     path = source(VLLM, "vllm/config/kv_transfer.py")
-    module = _load("vllm_0_33_kv_transfer", path, {
-        "vllm": {}, "vllm.config": {}, "vllm.utils": {},
-        "vllm.config.utils": {"config": config},
-        "vllm.utils.hashing": {"safe_hash": None},
-        "vllm.platforms": {"current_platform": types.SimpleNamespace(device_type="cuda")},
-    })
-    return module.KVTransferConfig
+    stubs = {"vllm": {}, "vllm.config": {}, "vllm.utils": {},
+             "vllm.config.utils": {"config": config},
+             "vllm.utils.hashing": {"safe_hash": None},
+             "vllm.platforms": {"current_platform": types.SimpleNamespace(device_type="cuda")}}
+    module = _load("vllm_0_33_kv_transfer", path, stubs)
+
+    def make(**fields):
+        with _stubbed(stubs):
+            return module.KVTransferConfig(**fields)
+    return make
 
 
 LMCACHE = "lmcache-0.5.6"
@@ -127,12 +119,14 @@ def lmcache_engine_config() -> type:
     """LMCache 0.5.6's LMCacheEngineConfig (lmcache/v1/config.py) with its validation. Its
     package's __init__ imports torch, so its three modules are loaded alone; `requests`
     (used only to fetch a config from a URL) is stubbed."""
-    modules = _load_package_modules(LMCACHE, {
-        "lmcache.logging": "lmcache/logging.py",
-        "lmcache.v1.config_base": "lmcache/v1/config_base.py",
-        "lmcache.v1.config": "lmcache/v1/config.py",
-    }, {"lmcache": {}, "lmcache.v1": {}, "requests": {"RequestException": OSError}})
-    return modules["lmcache.v1.config"].LMCacheEngineConfig
+    names = {"lmcache.logging": "lmcache/logging.py",
+             "lmcache.v1.config_base": "lmcache/v1/config_base.py",
+             "lmcache.v1.config": "lmcache/v1/config.py"}
+    stubs = {"lmcache": {}, "lmcache.v1": {}, "requests": {"RequestException": OSError}}
+    with _stubbed({**stubs, **dict.fromkeys(names)}):
+        for name, relative in names.items():
+            module = _exec(name, source(LMCACHE, relative))
+    return module.LMCacheEngineConfig
 
 
 def sglang_memory_options():
@@ -141,13 +135,14 @@ def sglang_memory_options():
     SGLang's package __init__ imports torch, so these modules are loaded alone."""
     import argparse
     pytest.importorskip("msgspec", reason="msgspec (the test extra) builds SGLang's options")
-    modules = _load_package_modules(SGLANG, {
-        "sglang.srt.arg_groups.arg_utils": "sglang/srt/arg_groups/arg_utils.py",
-        "sglang.srt.arg_groups.choices": "sglang/srt/arg_groups/choices.py",
-        "sglang.srt.arg_groups.fields.memory": "sglang/srt/arg_groups/fields/memory.py",
-    }, {name: {} for name in ("sglang", "sglang.srt", "sglang.srt.arg_groups",
-                                "sglang.srt.arg_groups.fields")})
-    parser = argparse.ArgumentParser(prog="sglang.launch_server", exit_on_error=False)
-    modules["sglang.srt.arg_groups.arg_utils"].add_cli_args_from_dataclass(
-        parser, modules["sglang.srt.arg_groups.fields.memory"].Memory)
+    names = {"sglang.srt.arg_groups.arg_utils": "sglang/srt/arg_groups/arg_utils.py",
+             "sglang.srt.arg_groups.choices": "sglang/srt/arg_groups/choices.py",
+             "sglang.srt.arg_groups.fields.memory": "sglang/srt/arg_groups/fields/memory.py"}
+    packages = ("sglang", "sglang.srt", "sglang.srt.arg_groups", "sglang.srt.arg_groups.fields")
+    with _stubbed({**dict.fromkeys(packages, {}), **dict.fromkeys(names)}):
+        modules = {name: _exec(name, source(SGLANG, relative))
+                   for name, relative in names.items()}
+        parser = argparse.ArgumentParser(prog="sglang.launch_server", exit_on_error=False)
+        modules["sglang.srt.arg_groups.arg_utils"].add_cli_args_from_dataclass(
+            parser, modules["sglang.srt.arg_groups.fields.memory"].Memory)
     return parser
