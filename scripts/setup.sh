@@ -3,7 +3,9 @@
 # FUSE 3 (the mount), a virtual environment in .venv with the project and its test tools.
 # --test also installs what the packaging tests use (Debian build tools, lintian, systemd's
 # container tools, debootstrap, qemu-user for the arm64 package) and the single-node Ceph
-# cluster (mon, mgr, osd, radosgw) the remote tier's tests run against.
+# cluster (mon, mgr, osd, radosgw) the remote tier's tests run against, and podman with runc for
+# the container images (kubectl, for tests/deploy/test_manifests.py, is not a Debian package:
+# those tests are skipped where it is missing; docs/kubernetes.md).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -13,7 +15,8 @@ if [ "${1:-}" = "--test" ]; then
              lintian dpkg-dev debhelper dh-python
              pybuild-plugin-pyproject python3-all-dev python3-setuptools python3-cffi
              ceph-mon ceph-mgr ceph-osd radosgw ceph-common uuid-runtime
-             rsync)   # tests/mount/test_special_files.py: rsync -aH of links
+             rsync    # tests/mount/test_special_files.py: rsync -aH of links
+             podman runc)   # tests/deploy/test_images.py: the container images, run for real
 fi
 need_apt=()
 for pkg in "${packages[@]}"; do
