@@ -211,3 +211,21 @@ def test_attributes_survive_a_restart_with_their_files(mounted, sig):
         assert vllm_load(root, rel) == data
     assert os.getxattr(str(s.path("m/00.bin")), "user.later") == b"after write-behind"
     assert os.getxattr(str(s.path("m")), "user.dir") == b"kept"
+
+
+def test_another_host_checks_the_block_against_the_checksum_its_writer_set(mounted, ceph, bucket):
+    from test_remote_mount import two_hosts, wait_for, wait_uploads
+
+    a, b = two_hosts(mounted, ceph, bucket)
+    blocks = {f"model_r0/{i:03x}/00_g0/{i:064x}.bin": pattern(f"r{i}", BLOCK) for i in range(3)}
+    for i, (rel, data) in enumerate(blocks.items()):
+        vllm_store(str(a.mnt), rel, data, f"t{i}")
+    wait_uploads(a, len(blocks))
+    big = pattern("big", 65536)          # past S3's 2 KB of metadata: a sidecar carries it
+    os.setxattr(str(a.path(next(iter(blocks)))), "user.big", big)
+    wait_uploads(a, len(blocks) + 1)     # the one whose attributes changed goes up again
+    first = next(iter(blocks))
+    wait_for(lambda: os.path.exists(b.path(first)), "B to see A's blocks", timeout=30)
+    for rel, data in blocks.items():
+        assert vllm_load(str(b.mnt), rel) == data
+    assert os.getxattr(str(b.path(first)), "user.big") == big
