@@ -175,6 +175,9 @@ class ControlServer:
         if not count:
             self.store.reference(node.ino)
         session.known[node.ino] = count + 1
+        # A file a writer's kernel is writing: its size as of now, not as last seen (the
+        # kernel takes a READDIRPLUS entry's size as the truth, too).
+        self.store.observe(node)
         return node.attrs()
 
     def _end_session(self, session: Session) -> int:
@@ -211,7 +214,8 @@ class ControlServer:
                 "max_file_size": self.store.max_file_size,
                 # optional arguments this daemon knows, for clients newer than the protocol
                 # version they share with it
-                "features": ["kill_suidgid", "backing", "open_backing"]}
+                "features": ["kill_suidgid", "backing", "open_backing", "xattrs",
+                             "writer_backing"]}
 
     async def op_ping(self, session) -> dict:
         return {}
@@ -252,24 +256,34 @@ class ControlServer:
     async def op_readlink(self, session, ino) -> dict:
         return {"target": self.store.readlink(ino)}
 
-    async def op_create(self, session, parent, name, mode, uid, gid, flags) -> dict:
+    async def op_create(self, session, parent, name, mode, uid, gid, flags,
+                        backing=False) -> dict | WithFd:
+        """With `backing`, the new file's memfd comes too (as op_backing), for a writer's
+        kernel to write it directly: a store then costs no request per write."""
         handle = await self.store.create(parent, name, mode, uid, gid, flags, session.id)
-        return {"fh": handle.fh, "attr": self._known(session, handle.node)}
+        result = {"fh": handle.fh, "attr": self._known(session, handle.node)}
+        return await self._with_backing(session, handle, result) if backing else result
 
     async def op_open(self, session, ino, flags, backing=False) -> dict | WithFd:
-        """With `backing`, a read-only open also brings the memfd (as op_backing), so that a
-        hit costs hostd one round trip: the open is on every cache hit's path."""
+        """With `backing`, the open also brings the memfd (as op_backing), so that a hit
+        costs hostd one round trip: the open is on every cache hit's path."""
         handle = await self.store.open(ino, flags, session.id)
+        self.store.observe(handle.node)
         result = {"fh": handle.fh, "attr": handle.node.attrs()}
-        if not (backing and session.local and flags & os.O_ACCMODE == os.O_RDONLY):
+        return await self._with_backing(session, handle, result) if backing else result
+
+    async def _with_backing(self, session, handle, result: dict) -> dict | WithFd:
+        if not session.local:
             return result
         try:
             fd, size = await self.store.backing_loaded(handle.fh)
         except FsError:
             # No memfd to give (ENODATA), or the promotion failed (EIO: a checksum mismatch
-            # removed the object; ENOSPC): the open stands, and its reads meet what a read
-            # meets, as without passthrough.
+            # removed the object; ENOSPC): the open stands, and its reads and writes meet
+            # what they meet without passthrough.
             return result
+        if handle.writable:   # the writer's own attributes (its O_TRUNC, say) stay true
+            result["attr"] = handle.node.attrs()
         return WithFd({**result, "backing_size": size}, fd)
 
     async def _transfer(self, method, fh, offset, length, region, region_offset) -> dict:

@@ -24,6 +24,9 @@ log = logging.getLogger("bluecached.store")
 
 MAX_FILE_SIZE = 1 << 40   # without an NVMe tier; with one, an object is one extent (see below)
 TMP_SUFFIX = b".tmp"
+# A writer's kernel is given the memfd only while this much fits in DRAM without waiting:
+# its writes are counted after the fact (Store.observe), so room is checked before.
+KERNEL_WRITE_ROOM = 64 << 20
 INODE_LIMIT = 1 << 32   # what statfs reports as the inode total
 
 
@@ -224,7 +227,9 @@ class Store:
     async def find(self, parent: int, name: bytes) -> Inode:
         """A client's lookup: the namespace, then the remote tier (a miss stays ENOENT)."""
         try:
-            return self.ns.lookup(parent, name)
+            node = self.ns.lookup(parent, name)
+            self.observe(node)
+            return node
         except FsError as e:
             if e.errno != errno.ENOENT or self.remote is None:
                 raise
@@ -266,13 +271,16 @@ class Store:
             await obj.uploading.wait()
 
     def getattr(self, ino: int) -> Inode:
-        return self.ns.get(ino)
+        node = self.ns.get(ino)
+        self.observe(node)
+        return node
 
     async def setattr(self, ino: int, size: int | None = None, mode: int | None = None,
                       uid: int | None = None, gid: int | None = None,
                       atime_ns: int | None = None, mtime_ns: int | None = None,
                       atime_now: bool = False, mtime_now: bool = False) -> Inode:
         node = self.ns.get(ino)
+        self.observe(node)
         now = self.clock()
         if size is not None:
             if node.is_dir:
@@ -322,6 +330,9 @@ class Store:
             # In place, never a new memfd (a passthrough reader may hold this one): past the
             # new EOF reads as zeros because the memfd is cut there (Tiers.set_length).
             self._set_size(node, size)
+            if obj.kernel_writer is not None:   # the one cut a kernel writer's memfd gets
+                obj.chunks.memfd.resize(size)
+                obj.kernel_seen = _seen(obj.chunks.memfd.fd)
         self.tiers.queue_writeback(node)
 
     def mkdir(self, parent: int, name: bytes, mode: int, uid: int, gid: int) -> Inode:
@@ -398,6 +409,7 @@ class Store:
 
     async def read(self, fh: int, offset: int, length: int, region, region_offset: int) -> int:
         node = self._handle(fh).node
+        self.observe(node)
         obj = node.obj
         if offset < 0 or length < 0:
             raise FsError(errno.EINVAL, "negative offset or length")
@@ -483,6 +495,7 @@ class Store:
             if obj.chunks is None:
                 await self._load(node)
             await self._wait_upload(obj)
+            self.observe(node)
             self.tiers.begin_modify(node)
             end = offset + length
             first, last = offset // CHUNK_SIZE, (end - 1) // CHUNK_SIZE
@@ -520,6 +533,7 @@ class Store:
         self._check_size(length)
         node = handle.node
         obj = node.obj
+        self.observe(node)
         chunks = await self.tiers.take_content(length)
         try:
             if length:
@@ -575,6 +589,7 @@ class Store:
     async def checksum(self, fh: int) -> tuple[int, Inode]:
         """CRC32C of the whole content (QUERY), and the inode it describes."""
         node = self._handle(fh).node
+        self.observe(node)
         obj = node.obj
         async with obj.content_lock():
             if obj.chunks is None:
@@ -586,6 +601,7 @@ class Store:
             self.tiers.unpin(obj)
 
     async def flush(self, fh: int) -> None:
+        self.observe(self._handle(fh).node)   # a kernel writer's close: its size, seen
         if self.tiers.write_through:
             await self._persist(fh, "write-through")
 
@@ -597,6 +613,7 @@ class Store:
 
     async def _persist(self, fh: int, why: str) -> None:
         node = self._handle(fh).node
+        self.observe(node)
         obj = node.obj
         if obj.dirty and self.tiers.nvme is not None:
             async with obj.content_lock():
@@ -611,10 +628,12 @@ class Store:
         be held: write-behind holds it while it copies to NVMe, changing nothing, and a
         truncation changes the memfd in place, which such a reader is to see anyway."""
         handle = self._handle(fh)
+        if handle.writable:
+            return self._writer_backing(handle)
         node = handle.node
         obj = node.obj
         why = None
-        if handle.writable or obj.writers:
+        if obj.writers:
             why = "open for writing"
         elif obj.chunks is None or obj.arrival is not None or obj.remote_info is not None:
             why = "not in DRAM"
@@ -660,6 +679,8 @@ class Store:
             raise FsError(errno.EBADF, f"no open handle {fh}")
         node = handle.node
         obj = node.obj
+        if obj.kernel_writer == fh:
+            self._kernel_writes_end(node)
         obj.opens -= 1
         if handle.backed:
             obj.backed -= 1
@@ -671,6 +692,73 @@ class Store:
                     self.remote.admit(node, "written")
         self.tiers.fit_memfd(obj)   # complete now, maybe: a spare's rest is let go
         self._maybe_destroy(node)
+
+    # -- a writer's kernel writing the memfd (FUSE passthrough) ---------------------------
+
+    def _writer_backing(self, handle: Handle) -> tuple[int, int]:
+        """A writer's memfd, read-write, for its client's kernel to write directly: the
+        connectors' store (create, write it all, close, rename) then sends no request per
+        write. Only for a new (or truncated) file this handle alone has open, with room in
+        DRAM; from then on its size and bytes are the memfd's, seen by observe()."""
+        node = handle.node
+        obj = node.obj
+        memfd = obj.chunks.memfd if obj.chunks is not None else None
+        why = None
+        if obj.opens != 1 or obj.kernel_writer is not None:
+            why = "open more than once"
+        elif (node.size or obj.chunks is None or len(obj.chunks) or obj.remote_info is not None
+              or obj.arrival is not None or (memfd is not None and (memfd.size or memfd.ahead))):
+            why = "not a new, empty file"
+        elif node.mode & (stat.S_ISUID | stat.S_ISGID):
+            why = "set-ID bits, which a write must clear"
+        elif not self.tiers.room_for_kernel_writes(KERNEL_WRITE_ROOM):
+            why = "DRAM tier full"
+        if why is not None:
+            raise FsError(errno.ENODATA, f"no backing: write through the daemon ({why})")
+        memfd = self.tiers.memfd_of(obj, 0, spare=False)
+        fd = memfd.open_readwrite()
+        obj.kernel_writer = handle.fh
+        obj.kernel_seen = _seen(memfd.fd)
+        handle.backed = True
+        obj.backed += 1
+        return fd, 0
+
+    def observe(self, node: Inode) -> None:
+        """What a writer's kernel wrote to the memfd since last seen, taken in: the size and
+        mtime are the memfd's, the content changed (dirty, a new version), and its chunks are
+        mapped and counted in the tier. Called wherever the size or content is used, so
+        nothing works on a stale view; costs one fstat, and nothing for other files."""
+        obj = node.obj
+        if obj is None or obj.kernel_writer is None:
+            return
+        seen = _seen(obj.chunks.memfd.fd)
+        if seen != obj.kernel_seen:
+            obj.kernel_seen = seen
+            self._take_kernel_writes(node, *seen)
+
+    def _take_kernel_writes(self, node: Inode, size: int, mtime_ns: int) -> None:
+        obj = node.obj
+        self.tiers.begin_modify(node)
+        memfd = obj.chunks.memfd
+        memfd.size = memfd.length = size
+        count = chunk_count(size)
+        if len(obj.chunks) < count:
+            obj.chunks.extend([None] * (count - len(obj.chunks)))
+        self.tiers.adopt_windows(obj.chunks, [i for i in range(count) if obj.chunks[i] is None])
+        self.tiers.resize_dirty(node, size)
+        self.logical_bytes += size - node.size
+        node.size = size
+        node.mtime_ns = node.ctime_ns = mtime_ns
+
+    def _kernel_writes_end(self, node: Inode) -> None:
+        """The kernel writer's last handle goes: its final size and bytes are taken in, and
+        counted as changed even if they look the same (a write within the same timestamp
+        tick as the last look changes neither size nor mtime)."""
+        obj = node.obj
+        self.observe(node)
+        obj.kernel_writer = None
+        self.tiers.begin_modify(node)
+        self.tiers.fit_memfd(obj)
 
     def reference(self, ino: int) -> None:
         self.kernel_refs[ino] = self.kernel_refs.get(ino, 0) + 1
@@ -861,6 +949,11 @@ class Store:
 
     def root(self) -> Inode:
         return self.ns.inodes[ROOT_INO]
+
+
+def _seen(fd: int) -> tuple[int, int]:
+    st = os.fstat(fd)
+    return st.st_size, st.st_mtime_ns
 
 
 def _copy_pairs(destinations: list, sources: list) -> None:

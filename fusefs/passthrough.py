@@ -13,6 +13,11 @@ The kernel's rules (fs/fuse/iomode.c) shape the bookkeeping:
   A write open then (or a read whose cache answered with another memfd) still names the
   inode's backing id, with FOPEN_DIRECT_IO kept: its reads and writes reach the cache as
   today, only mmap uses the backing file.
+
+A new (or truncated) file's writer gets its memfd read-write, when the cache gives it one: the
+kernel writes it directly and the cache takes in the size and bytes where it looks (the
+writer's FLUSH, any getattr, the RELEASE). A store then sends CREATE, FLUSH, RELEASE and no
+WRITE.
 """
 
 import logging
@@ -40,6 +45,7 @@ class Passthrough:
         self.handles: dict[int, tuple[int, int | None]] = {}   # fh: (inode, fd the cache gave)
         self.served = 0      # opens answered with a passthrough read
         self.declined = 0    # read-only opens served by the cache instead
+        self.writers = 0     # write opens whose writes the kernel puts in the memfd
         self._warned: dict[str, float] = {}
 
     def negotiated(self) -> bool:
@@ -47,11 +53,15 @@ class Passthrough:
 
     async def opened(self, cache, ino: int, fh: int, flags: int) -> None:
         """A regular file's open succeeded with handle `fh`; before its reply: registers a
-        backing for it where one can be had. Never fails the open."""
+        backing for it where one can be had. Never fails the open. A writer of an inode
+        without a backing asks too: the cache gives a new file's memfd for the kernel to
+        write directly (no request per write), else nothing, without a round trip."""
         reading = flags & os.O_ACCMODE == os.O_RDONLY and not flags & os.O_TRUNC
-        if not (reading or ino in self.inodes) or not self.negotiated():
+        if not self.negotiated():
             return
-        given = await self._backing_of(cache, fh) if reading else None
+        given = None
+        if reading or ino not in self.inodes:
+            given = await self._backing_of(cache, fh)
         fd, file = None, None
         if given is not None:
             fd = given[0]
@@ -61,7 +71,7 @@ class Passthrough:
                 self._warn("fd", "the cache's backing fd: %s", e)
                 os.close(fd)
                 fd = None
-        self._register(ino, fh, fd, file)
+        self._register(ino, fh, fd, file, writing=not reading)
 
     def released(self, fh: int) -> None:
         """The kernel released `fh`: its fd goes, and the inode's backing id with its last
@@ -96,11 +106,13 @@ class Passthrough:
             self._warn("cache", "no backing from the cache: %s", e)
             return None
 
-    def _register(self, ino: int, fh: int, fd: int | None, file: tuple[int, int] | None) -> None:
+    def _register(self, ino: int, fh: int, fd: int | None, file: tuple[int, int] | None,
+                  writing: bool) -> None:
         backing = self.inodes.get(ino)
         if backing is None:
             if file is None:
-                self.declined += 1
+                if not writing:
+                    self.declined += 1
                 return
             backing_id = self.lib.bc_backing_open(fd)
             if backing_id < 0:
@@ -112,13 +124,19 @@ class Passthrough:
         # Another memfd than the inode's (the object moved since) or a write open: the cache
         # serves it, under the inode's backing id (see the top).
         by_kernel = file is not None and file == backing.file
-        if self.lib.bc_passthrough_set(fh, backing.backing_id, 0 if by_kernel else 1) != 0:
+        if not by_kernel:
+            mode = self.lib.BC_PT_DAEMON_IO
+        else:
+            mode = self.lib.BC_PT_KERNEL_WRITES if writing else self.lib.BC_PT_KERNEL_READS
+        if self.lib.bc_passthrough_set(fh, backing.backing_id, mode) != 0:
             self._warn("table", "the shim's table of backed opens is full")
         backing.handles.add(fh)
         self.handles[fh] = (ino, fd)
-        if by_kernel:
+        if by_kernel and writing:
+            self.writers += 1
+        elif by_kernel:
             self.served += 1
-        elif fd is not None:
+        elif not writing:
             self.declined += 1
 
     def _warn(self, reason: str, message: str, *args) -> None:

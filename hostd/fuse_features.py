@@ -64,7 +64,7 @@ class FuseFeatures:
         if p is None:
             return "passthrough off"
         return (f"opens served by passthrough: {p.served}, read-only opens served by hostd: "
-                f"{p.declined}")
+                f"{p.declined}, write opens written by the kernel: {p.writers}")
 
 
 def _allow_pages(pages: int) -> None:

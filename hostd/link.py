@@ -143,6 +143,7 @@ class OpenFile:
     generation: int
     error: RemoteError | None = None   # a write answered early that then failed
     size_at_open: int = 0              # how far read-ahead may go (a hint: see readahead.py)
+    kernel_writes: bool = False        # its kernel writes the daemon's memfd directly
 
 
 class DaemonLink:
@@ -160,6 +161,7 @@ class DaemonLink:
         self.daemon_clears_setid = False
         self.daemon_backs = False   # bluecached hands out memfds (the backing op)
         self.daemon_opens_backed = False   # ... and with a read-only open (open's `backing`)
+        self.daemon_backs_writers = False  # ... and a new file's with its create (or O_TRUNC)
         # Whether the kernel can use a memfd (fusefs.Passthrough.negotiated): then read-only
         # opens ask for it at once. Set by hostd/daemon.py.
         self.wants_backing = lambda: False
@@ -210,6 +212,8 @@ class DaemonLink:
         self.daemon_clears_setid = "kill_suidgid" in hello.get("features", ())
         self.daemon_backs = "backing" in hello.get("features", ())
         self.daemon_opens_backed = "open_backing" in hello.get("features", ())
+        self.daemon_backs_writers = "writer_backing" in hello.get("features", ())
+        self.daemon_xattrs = "xattrs" in hello.get("features", ())
         if self.engine == "doca":
             await self._import_staging()
         elif self.regions_path is not None:
@@ -393,24 +397,37 @@ class DaemonLink:
         return (await self.call("readlink", ino=ino))["target"]
 
     async def create(self, parent, name, mode, uid, gid, flags):
-        r = await self.call("create", parent=parent, name=name, mode=mode, uid=uid, gid=gid,
-                            flags=flags)
+        args = dict(parent=parent, name=name, mode=mode, uid=uid, gid=gid, flags=flags)
+        fd = None
+        if self.daemon_backs_writers and _writable(flags) and self.wants_backing():
+            r, fd = await self.call("create", **args, backing=True, with_fd=True)
+        else:
+            r = await self.call("create", **args)
         attr = Attr.from_wire(r["attr"])
-        return self._add_file(attr.ino, flags, r["fh"], attr.size), attr
+        return self._opened(attr.ino, flags, r, fd), attr
 
     async def open(self, ino, flags):
         await self.inflight.settled(ino)
         fd = None
-        if (self.daemon_opens_backed and flags & os.O_ACCMODE == os.O_RDONLY
-                and not flags & os.O_TRUNC and self.wants_backing()):
+        if self._backed_open(flags) and self.wants_backing():
             r, fd = await self.call("open", ino=ino, flags=flags, backing=True, with_fd=True)
         else:
             r = await self.call("open", ino=ino, flags=flags)
-        attr = Attr.from_wire(r["attr"])
-        fh = self._add_file(ino, flags, r["fh"], attr.size)
+        return self._opened(ino, flags, r, fd), Attr.from_wire(r["attr"])
+
+    def _backed_open(self, flags: int) -> bool:
+        """Whether an open asks for the memfd with it: a reader's, or a truncating writer's
+        (then a new file's, as a create's)."""
+        if flags & os.O_ACCMODE == os.O_RDONLY and not flags & os.O_TRUNC:
+            return self.daemon_opens_backed
+        return bool(flags & os.O_TRUNC) and self.daemon_backs_writers
+
+    def _opened(self, ino: int, flags: int, r: dict, fd: int | None) -> int:
+        fh = self._add_file(ino, flags, r["fh"], Attr.from_wire(r["attr"]).size)
         if fd is not None:
             self._backings[fh] = (fd, r["backing_size"])   # for backing(fh), asked next
-        return fh, attr
+            self._files[fh].kernel_writes = _writable(flags)
+        return fh
 
     async def backing(self, fh) -> tuple[int, int] | None:
         """(fd, size) of the memfd holding open file `fh`'s bytes, for the kernel to read it
@@ -420,8 +437,9 @@ class DaemonLink:
         brought = self._backings.pop(fh, None)
         if brought is not None:
             return brought
-        if not self.daemon_backs:
-            return None
+        f = self._files.get(fh)
+        if not self.daemon_backs or f is None or _writable(f.flags):
+            return None   # a writer's memfd comes with its open, or not at all
         try:
             return await self.client.backing(await self.daemon_fh(fh),
                                              timeout=self.request_timeout)
@@ -623,6 +641,10 @@ class DaemonLink:
             await self.inflight.settled(f.ino)
             if f.error is not None:
                 raise RemoteError(f.error.errno, str(f.error))
+            if f.kernel_writes and f.generation != self.generation:
+                # Its kernel went on writing the old daemon's memfd, which nobody will read.
+                raise RemoteError(errno.EIO, f"bluecached restarted while inode {f.ino} was "
+                                             "being written: its bytes are lost, write it again")
         await self.call("flush", host_fh=fh)
 
     async def fsync(self, fh) -> None:

@@ -49,8 +49,13 @@ int bc_negotiate(int passthrough, int max_pages);
 int bc_passthrough_state(void);
 int bc_max_pages(void);
 int bc_kernel_minor(void);
+int bc_negotiate_request_timeout(int seconds);
+int bc_request_timeout_state(void);
 int bc_backing_open(int fd);
 int bc_backing_close(int backing_id);
+#define BC_PT_KERNEL_READS 0
+#define BC_PT_DAEMON_IO 1
+#define BC_PT_KERNEL_WRITES 2
 int bc_passthrough_set(uint64_t fh, int backing_id, int direct_io);
 void bc_passthrough_clear(uint64_t fh);
 unsigned long long bc_passthrough_opens(void);

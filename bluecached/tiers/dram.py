@@ -78,6 +78,13 @@ class Memfd:
         for index in [i for i in self.ahead if i * CHUNK_SIZE >= size]:
             self.ahead.pop(index).close()   # no longer inside the file: never touched
 
+    def grow_to(self, size: int) -> None:
+        """At least `size` bytes long, never shorter: unlike ftruncate, this cannot cut what a
+        writer's kernel wrote past the size last seen (fallocate only ever extends)."""
+        if size > 0:
+            os.posix_fallocate(self.fd, size - 1, 1)
+        self.size = max(self.size, size)
+
     def clear_from(self, offset: int) -> None:
         """Bytes from `offset` on become zeros (pages freed) without changing the size: for a
         shrink that must wait while someone copies. A copy in progress then reads zeros past
@@ -93,14 +100,7 @@ class Memfd:
         end = (index + 1) * CHUNK_SIZE
         if self.size >= end:
             return mmap.mmap(self.fd, CHUNK_SIZE, offset=index * CHUNK_SIZE)
-        # Python's mmap refuses a window past the file's end (Linux maps it; only touching it
-        # faults): the file is that long just for the mmap call. Nothing touches the window
-        # meanwhile, so shrinking back cuts no page in use.
-        os.ftruncate(self.fd, end)
-        try:
-            return mmap.mmap(self.fd, CHUNK_SIZE, offset=index * CHUNK_SIZE)
-        finally:
-            os.ftruncate(self.fd, self.size)
+        return _window_past_eof(self.fd, index * CHUNK_SIZE)
 
     def drop_ahead(self) -> None:
         """Unmaps windows mapped ahead that the object never took (and frees their pages:
@@ -116,6 +116,11 @@ class Memfd:
         """A new read-only open of the file (for a reader that must not write it)."""
         self.lent = True
         return os.open(f"/proc/self/fd/{self.fd}", os.O_RDONLY | os.O_CLOEXEC)
+
+    def open_readwrite(self) -> int:
+        """A new read-write open of the file, for a writer's kernel to write it directly."""
+        self.lent = True
+        return os.open(f"/proc/self/fd/{self.fd}", os.O_RDWR | os.O_CLOEXEC)
 
     def close(self) -> None:
         """The memory goes once the windows are unmapped, unless another process still has
@@ -147,6 +152,36 @@ def _load_fallocate():
 
 
 _libc_fallocate = _load_fallocate()
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                       ctypes.c_int, ctypes.c_int64)
+_libc.mmap.restype = ctypes.c_void_p
+_MAP_FAILED = ctypes.c_void_p(-1).value
+_MAP_FIXED = 0x10   # linux/mman.h (Python's mmap module does not export it)
+
+
+def _window_past_eof(fd: int, offset: int) -> mmap.mmap:
+    """A 1 MiB shared window of `fd` at `offset` that reaches past the file's end. Python's
+    mmap refuses that (Linux maps it; only touching a page wholly past EOF faults), and
+    growing the file for the call and shrinking it back would cut bytes another writer put
+    there meanwhile (a writer's kernel writes the memfd directly: Store.backing). So: an
+    anonymous window, with the file mapped over it in place (MAP_FIXED); closing the mmap
+    object unmaps the range whatever it maps."""
+    window = mmap.mmap(-1, CHUNK_SIZE)
+    anchor = ctypes.c_char.from_buffer(window)
+    try:
+        address = ctypes.addressof(anchor)
+        got = _libc.mmap(address, CHUNK_SIZE, mmap.PROT_READ | mmap.PROT_WRITE,
+                         mmap.MAP_SHARED | _MAP_FIXED, fd, offset)
+    finally:
+        del anchor   # the exported buffer: the window can be closed again
+    if got == _MAP_FAILED or got != address:
+        err = ctypes.get_errno()
+        window.close()
+        raise OSError(err, f"mapping a window past the end of the file: {os.strerror(err)}")
+    return window
+
 
 
 class Chunks(list):
@@ -206,10 +241,11 @@ class DramPool:
         memfd.length = size or 0
         return memfd
 
-    def take(self, memfd: Memfd, index: int) -> mmap.mmap | None:
+    def take(self, memfd: Memfd, index: int, over: bool = False) -> mmap.mmap | None:
         """Chunk `index` of the memfd, or None when the tier is full (the caller evicts and
-        retries). It reads as zeros: holes and fresh file space are."""
-        if self._in_use >= self.capacity // CHUNK_SIZE:
+        retries; `over`: counted past the capacity instead). It reads as what the memfd holds
+        there: zeros for holes and fresh file space."""
+        if self._in_use >= self.capacity // CHUNK_SIZE and not over:
             return None
         chunk = memfd.window(index)   # before counting it: mmap may fail (ENOMEM)
         self._in_use += 1

@@ -33,6 +33,10 @@ class StoredObject:
         "remote_info",     # a placeholder's S3 object (content only remote), else None
         "uploading",       # trio.Event while an upload reads the chunks; writes wait for it
         "arrival",         # a remote fetch in flight (bluecached.arrival): readers wait on it
+        "kernel_writer",   # the handle whose client's kernel writes the memfd directly
+                           # (Store.backing): size and bytes are the memfd's, seen by
+                           # Store.observe; None otherwise
+        "kernel_seen",     # (size, mtime_ns) of the memfd when last observed
     )
 
     def __init__(self):
@@ -54,6 +58,8 @@ class StoredObject:
         self.remote_info = None
         self.uploading: trio.Event | None = None
         self.arrival = None
+        self.kernel_writer: int | None = None
+        self.kernel_seen = (0, 0)
 
     def content_lock(self) -> trio.Lock:
         if self.lock is None:

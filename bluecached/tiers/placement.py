@@ -252,6 +252,12 @@ class Tiers:
         memfd = obj.chunks.memfd if obj.chunks is not None else None
         if memfd is None:
             return
+        if obj.kernel_writer is not None:
+            # The writer's kernel sets the size (Store.observe): grow only, never cut what it
+            # wrote since; a truncation resizes it itself (Store._truncate).
+            if memfd.size < memfd.length:
+                memfd.grow_to(memfd.length)
+            return
         if memfd.size < memfd.length:
             memfd.resize(memfd.length)
         if not self._may_trim(obj):
@@ -350,6 +356,31 @@ class Tiers:
             n.obj.dirty and not n.obj.writers and n.parent is not None
             for n in self.lru_dram.values())
 
+    def adopt_windows(self, chunks: Chunks, indices) -> None:
+        """As take_windows, for bytes a writer's kernel already put in the memfd: they are in
+        memory whatever the tier says, so they are counted now, evicting what can go, and
+        over the capacity if nothing can (write-behind and eviction bring it back)."""
+        for i in indices:
+            while (chunk := self._take(chunks.memfd, i)) is None:
+                if not self._evict_dram_one():
+                    chunk = self._take(chunks.memfd, i, over=True)
+                    break
+            chunks[i] = chunk
+        if self.dram.used_bytes > self.dram_marks.high * self.dram.capacity:
+            self._pressure.set()
+
+    def room_for_kernel_writes(self, need: int) -> bool:
+        """Whether `need` bytes fit in DRAM without waiting: free, or held by objects that
+        can be evicted now (a writer's kernel is then given the memfd: Store.backing)."""
+        room = self.dram.free_chunks * CHUNK_SIZE
+        if room >= need:
+            return True
+        for node in self._evictable_dram():
+            room += node.size
+            if room >= need:
+                return True
+        return False
+
     async def take_windows(self, chunks: Chunks, indices) -> None:
         """Fills chunks[i] for each index with that window of their memfd (zeros), evicting to
         make room. ENOSPC only when nothing can be evicted: every resident object is open, in
@@ -362,9 +393,9 @@ class Tiers:
         if self.dram.used_bytes > self.dram_marks.high * self.dram.capacity:
             self._pressure.set()
 
-    def _take(self, memfd: Memfd, index: int):
+    def _take(self, memfd: Memfd, index: int, over: bool = False):
         try:
-            return self.dram.take(memfd, index)
+            return self.dram.take(memfd, index, over)
         except OSError as e:   # mapping it failed: out of memory, to the writer a full cache
             raise FsError(errno.ENOSPC, f"DRAM tier: cannot map a chunk: {e}") from None
 

@@ -43,7 +43,7 @@ OPS: dict[str, tuple[dict, dict]] = {
                                "atime_ns": I64, "mtime_ns": I64,
                                "atime_now": BOOL, "mtime_now": BOOL}),
     "mkdir": (_NEW, {}),
-    "create": ({**_NEW, "flags": U32}, {}),
+    "create": ({**_NEW, "flags": U32}, {"backing": BOOL}),
     "symlink": ({**_PARENT_NAME, "target": TARGET, "uid": U32, "gid": U32}, {}),
     "mknod": ({**_NEW, "rdev": U64}, {}),
     "readlink": ({"ino": U64}, {}),

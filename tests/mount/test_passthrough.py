@@ -272,6 +272,79 @@ def test_an_nvme_hit_is_promoted_at_open_and_served_by_passthrough(mounted):
     assert "opens served by passthrough: 1, read-only opens served by hostd: 0" in log
 
 
+def _all_released(stack) -> None:
+    """Once the kernel's RELEASEs (sent after close(2) returns) have all reached bluecached."""
+    client = stack.daemon.client()
+    try:
+        deadline = time.monotonic() + 30
+        while client.call("stats")["open_handles"]:
+            assert time.monotonic() < deadline, "a handle was never released"
+            time.sleep(0.01)
+    finally:
+        client.close()
+
+
+def _daemon_size(stack, name: bytes) -> int:
+    client = stack.daemon.client()
+    try:
+        return client.call("lookup", parent=1, name=name)["size"]
+    finally:
+        client.close()
+
+
+def test_a_new_file_is_written_by_the_kernel_into_the_memfd(mounted):
+    """The llm-d store (create, write, close, rename) with the writer's kernel writing the
+    object's memfd itself: bluecached sees the size wherever it looks (here a lookup while
+    the file is open), the bytes read back, and are written behind to NVMe intact."""
+    stack = mounted(allow_log=["lost bluecached"])
+    data = os.urandom(4 * MIB + 100)
+    with open(stack.path("block.tmp"), "wb") as f:
+        f.write(data[:MIB + 5])
+        f.flush()
+        assert _daemon_size(stack, b"block.tmp") == MIB + 5
+        f.write(data[MIB + 5:])
+    assert _daemon_size(stack, b"block.tmp") == len(data)   # taken in at the FLUSH
+    os.rename(stack.path("block.tmp"), stack.path("block"))
+    assert stack.path("block").read_bytes() == data
+    _all_released(stack)
+    _restart_daemon(stack)   # written behind, then read back from NVMe with its CRCs
+    assert stack.path("block").read_bytes() == data
+    log = _hostd_log_after_stop(stack)
+    assert "write opens written by the kernel: 1" in log
+
+
+def test_a_kernel_writer_and_the_cache_agree_on_every_change(mounted):
+    """Changes a writer makes beside its kernel's writes (truncation, a second writer the
+    daemon serves, mmap, holes) land in one memfd; a daemon-served reader sees them all."""
+    stack = mounted()
+    path = stack.path("mixed.bin")
+    a = os.urandom(3 * MIB)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        os.pwrite(fd, a, 0)                   # by the kernel
+        os.ftruncate(fd, 2 * MIB + 3)         # SETATTR: the daemon cuts the memfd
+        other = os.open(path, os.O_WRONLY)    # a second writer: served by the daemon
+        try:
+            os.pwrite(other, b"Z" * 10, MIB)
+        finally:
+            os.close(other)
+        os.pwrite(fd, b"hole-after", 5 * MIB)  # by the kernel again, past a hole
+        with mmap.mmap(fd, 4096, offset=0) as m:
+            m[:4] = b"MMAP"
+        expected = bytearray(a[:2 * MIB + 3]) + bytes(5 * MIB - (2 * MIB + 3)) + b"hole-after"
+        expected[MIB:MIB + 10] = b"Z" * 10
+        expected[:4] = b"MMAP"
+        reader = os.open(path, os.O_RDONLY)   # open for writing: the daemon serves it
+        try:
+            assert _read_all(reader) == bytes(expected)
+        finally:
+            os.close(reader)
+    finally:
+        os.close(fd)
+    assert stack.path("mixed.bin").read_bytes() == bytes(expected)
+    assert _daemon_size(stack, b"mixed.bin") == len(expected)
+
+
 def test_an_nvme_object_failing_its_checksum_is_never_served(mounted):
     """The open promotes it, the CRC32C does not match: no memfd is handed out, the object is
     removed, and the reader gets EIO, never the rotten bytes."""

@@ -3,7 +3,9 @@ into a staging slot (mount.receive_in_place, the default: hostd copies nothing) 
 by pyfuse3 and copied into a slot; answered once staged (write_ack: staged, the default) or once
 the daemon has the bytes (stored); requests read from /dev/fuse by the fuse shim's reader
 thread (mount.reader_thread, the default) or by the event loop itself. Every combination must
-give the same bytes and errors."""
+give the same bytes and errors. Passthrough is off here: with it, a new file's writes go from
+the writer's kernel into the cache's memfd and reach none of these paths (test_passthrough.py
+covers that); these are the paths of DPU mode and of files the kernel cannot write."""
 
 import errno
 import mmap
@@ -29,7 +31,8 @@ PATHS = [(True, "staged", True), (True, "stored", True), (False, "staged", True)
 def stack(mounted, in_place: bool, ack: str, reader: bool = True, slots: int = 128,
           **settings):
     return mounted(hostd_settings={"mount.receive_in_place": in_place, "mount.write_ack": ack,
-                                   "mount.reader_thread": reader, "mount.staging_slots": slots},
+                                   "mount.reader_thread": reader, "mount.staging_slots": slots,
+                                   "mount.passthrough": False},
                    **settings)
 
 
