@@ -342,6 +342,7 @@ static int bc_reader_stop(void)
 #define BC_INIT_MAX_PAGES (1u << 22)
 #define BC_INIT_EXT (1u << 30)
 #define BC_INIT2_PASSTHROUGH (1u << 5) /* FUSE_PASSTHROUGH: bit 37 of the 64-bit flags */
+#define BC_INIT2_REQUEST_TIMEOUT (1u << 10) /* FUSE_REQUEST_TIMEOUT: bit 42 (7.43+) */
 #define BC_FOPEN_DIRECT_IO (1u << 0)
 #define BC_FOPEN_KEEP_CACHE (1u << 1)
 #define BC_FOPEN_NOFLUSH (1u << 5)
@@ -413,6 +414,8 @@ static uint32_t bc_init_flags, bc_init_flags2; /* what the kernel offered */
 static int bc_init_seen;
 
 static int bc_want_passthrough, bc_want_max_pages; /* bc_negotiate() */
+static int bc_want_request_timeout;                /* bc_negotiate_request_timeout() */
+static int bc_request_timeout_negotiated = -1;     /* seconds; 0 not offered; -1 not yet */
 static int bc_io_installed;
 static int bc_dev_fd = -1;
 /* What the INIT reply said: -1 not yet, 0 no, 1 yes; max_pages 0 until then. */
@@ -479,6 +482,17 @@ static void bc_patch_init(struct bc_init_out *out)
         out->max_pages = (uint16_t)bc_want_max_pages;
     }
     bc_max_pages_negotiated = (out->flags & BC_INIT_MAX_PAGES) ? out->max_pages : 32;
+    /* The kernel's request timeout (6.14+): a request this daemon leaves unanswered that long
+     * makes the kernel abort the connection (fs/fuse/dev.c), so a caller never waits for a
+     * stopped hostd for ever. Offered in the INIT request's flags2 where the kernel has it. */
+    bc_request_timeout_negotiated = 0;
+    if (bc_want_request_timeout > 0 && (bc_init_flags & BC_INIT_EXT) &&
+        (bc_init_flags2 & BC_INIT2_REQUEST_TIMEOUT)) {
+        out->flags |= BC_INIT_EXT;
+        out->flags2 |= BC_INIT2_REQUEST_TIMEOUT;
+        out->request_timeout = (uint16_t)bc_want_request_timeout;
+        bc_request_timeout_negotiated = bc_want_request_timeout;
+    }
 }
 
 /* The fuse_open_out of an OPEN or CREATE reply for a handle with a backing id (bc_pt_lock held): FOPEN_PASSTHROUGH with that
@@ -559,8 +573,9 @@ int fuse_session_mount(struct fuse_session *se, const char *mountpoint)
     if (real == NULL)
         return -1;
     int res = real(se, mountpoint);
-    if (res != 0 || !(bc_want_passthrough || bc_want_max_pages > 0) || custom_io == NULL ||
-        session_fd == NULL)
+    if (res != 0 ||
+        !(bc_want_passthrough || bc_want_max_pages > 0 || bc_want_request_timeout > 0) ||
+        custom_io == NULL || session_fd == NULL)
         return res;
     static const struct fuse_custom_io io = {.writev = bc_io_writev, .read = bc_io_read};
     int fd = session_fd(se);
@@ -580,6 +595,27 @@ int bc_negotiate(int passthrough, int max_pages)
     bc_want_passthrough = passthrough;
     bc_want_max_pages = max_pages;
     return 0;
+}
+
+/* Before pyfuse3.init: ask the kernel to abort the connection when a request waits for an
+ * answer longer than `seconds` (1..65535; 0: do not ask). Returns 0, or -1 where the shim
+ * does not serve pyfuse3 or the value is out of range. */
+int bc_negotiate_request_timeout(int seconds)
+{
+    if (bc_state == -1 || seconds < 0 || seconds > 65535)
+        return -1;
+    bc_want_request_timeout = seconds;
+    return 0;
+}
+
+/* After the INIT reply: the request timeout negotiated in seconds, 0 where the kernel did not
+ * offer FUSE_REQUEST_TIMEOUT or none was asked, -1 INIT not answered (yet) or no custom io. */
+int bc_request_timeout_state(void)
+{
+    pthread_mutex_lock(&bc_pt_lock);
+    int state = bc_io_installed ? bc_request_timeout_negotiated : -1;
+    pthread_mutex_unlock(&bc_pt_lock);
+    return state;
 }
 
 /* After the INIT reply: 1 passthrough negotiated, 0 not, -1 INIT not answered (yet) or the
