@@ -172,7 +172,9 @@ class ZeroCopyTransfers:
         if self.link.regions_path is None:
             raise Refused(errno.EOPNOTSUPP, "this engine cannot map host memfds")
         # A connection of its own: the region dies with it, whatever happens here.
-        channel = await trio.to_thread.run_sync(RegionChannel, self.link.regions_path)
+        # (bounded: a stopped daemon fails the transfer with EIO, as any request)
+        channel = await trio.to_thread.run_sync(RegionChannel, self.link.regions_path,
+                                                self.link.request_timeout)
         try:
             region = await trio.to_thread.run_sync(channel.register_fd, fd, span, kind)
             return await self._move_region(store, fh, x, region, x.mem_offset)

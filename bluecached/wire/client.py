@@ -62,6 +62,10 @@ class AsyncClient(Handshaking):
         self._ids = itertools.count(1)
         self._waiting: dict[int, list] = {}  # id -> [event, reply]
         self.hello: dict = {}
+        # As LocalClient's: requests sent whose callers stopped waiting before the reply.
+        self.on_abandoned = None
+        self.on_late = None
+        self._abandoned: set[int] = set()
 
     def _on_reply(self, frames: list[bytes]) -> None:
         try:
@@ -69,9 +73,21 @@ class AsyncClient(Handshaking):
         except protocol.ProtocolError:
             return  # not ours to crash on: the caller times out
         slot = self._waiting.get(reply.get("id"))
-        if slot is not None:
+        if slot is None:
+            if reply.get("id") in self._abandoned:
+                self._abandoned.discard(reply.get("id"))
+                if self.on_late is not None:
+                    self.on_late(reply.get("id"))
+        elif slot[1] is not None:
+            slot[1]["answered"] = True   # failed by fail_pending, answered since
+        else:
             slot[1] = reply
             slot[0].set()
+
+    def _abandon(self, rid: int, op: str, args: dict) -> None:
+        if self.on_abandoned is not None:
+            self._abandoned.add(rid)
+            self.on_abandoned(rid, op, args)
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         task_status.started()
@@ -89,9 +105,16 @@ class AsyncClient(Handshaking):
             with trio.fail_after(timeout) if timeout else contextlib.nullcontext():
                 await slot[0].wait()
         except trio.TooSlowError:
+            self._abandon(rid, op, args)
             raise RemoteError(errno.ETIMEDOUT, f"{op}: no reply within {timeout}s") from None
+        except BaseException:   # cancelled
+            if slot[1] is None:
+                self._abandon(rid, op, args)
+            raise
         finally:
             del self._waiting[rid]
+        if slot[1].get("failed") and not slot[1].get("answered"):
+            self._abandon(rid, op, args)
         return _result(slot[1])
 
     async def backing(self, fh: int, timeout: float | None = None) -> tuple[int, int]:
@@ -109,8 +132,9 @@ class AsyncClient(Handshaking):
         """Wakes every caller still waiting with an error (the daemon went away: their
         replies will never come)."""
         for slot in self._waiting.values():
-            slot[1] = {"ok": False, "errno": err, "error": message}
-            slot[0].set()
+            if slot[1] is None:
+                slot[1] = {"ok": False, "errno": err, "error": message, "failed": True}
+                slot[0].set()
 
 
 @contextlib.asynccontextmanager
@@ -165,9 +189,16 @@ class RegionChannel:
     """Connection to the daemon's region socket; regions registered through it live until it
     is closed (or this process dies)."""
 
-    def __init__(self, path: str):
+    def __init__(self, path: str, timeout: float | None = None):
+        """`timeout`: how long connecting or any answer may take (socket.timeout, an OSError,
+        after that: the daemon is stopped or hung); None waits as long as it takes."""
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
-        self._sock.connect(path)
+        self._sock.settimeout(timeout)
+        try:
+            self._sock.connect(path)
+        except BaseException:
+            self._sock.close()
+            raise
 
     def _ask(self, msg: dict, fds=()) -> dict:
         anc = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))] if fds else []

@@ -185,6 +185,23 @@ class LocalClient(Handshaking):
         self._ids = itertools.count(1)
         self._waiting: dict[int, list] = {}
         self.hello: dict = {}
+        # Hooks for requests sent whose callers stopped waiting before the reply (timed out,
+        # cancelled, or failed by fail_pending): on_abandoned(id, op, args) then, on_late(id)
+        # once its reply comes after all or the connection (so the daemon) is gone.
+        self.on_abandoned = None
+        self.on_late = None
+        self._abandoned: set[int] = set()
+
+    def _abandon(self, rid: int, op: str, args: dict) -> None:
+        if self.on_abandoned is not None:
+            self._abandoned.add(rid)
+            self.on_abandoned(rid, op, args)
+
+    def _answered_late(self, rid: int) -> None:
+        if rid in self._abandoned:
+            self._abandoned.discard(rid)
+            if self.on_late is not None:
+                self.on_late(rid)
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         task_status.started()
@@ -209,7 +226,10 @@ class LocalClient(Handshaking):
             finally:
                 self._sock = None
                 raw.close()
-                self.fail_pending(errno.ECONNRESET, "connection to bluecached closed")
+                self.fail_pending(errno.ECONNRESET, "connection to bluecached closed",
+                                  gone=True)
+                for rid in list(self._abandoned):   # their daemon closed: it serves no more
+                    self._answered_late(rid)
 
     def _on_reply(self, frame: bytes, fds: list[int]) -> None:
         try:
@@ -220,16 +240,23 @@ class LocalClient(Handshaking):
         slot = self._waiting.get(reply.get("id"))
         if slot is None or slot[1] is not None:
             _close_all(fds)   # nobody waits for it (timed out, cancelled)
+            if slot is not None:
+                slot[1]["answered"] = True   # failed by fail_pending, answered since
+            else:
+                self._answered_late(reply.get("id"))
             return
         if fds:
             reply["fds"] = fds
         slot[1] = reply
         slot[0].set()
 
-    def fail_pending(self, err: int, message: str) -> None:
+    def fail_pending(self, err: int, message: str, gone: bool = False) -> None:
+        """Wakes every caller still waiting with an error. `gone`: the connection closed, so
+        the daemon will not serve their requests; else it may still (on_abandoned)."""
         for slot in self._waiting.values():
             if slot[1] is None:
-                slot[1] = {"ok": False, "errno": err, "error": message}
+                slot[1] = {"ok": False, "errno": err, "error": message, "failed": True,
+                           "answered": gone}
                 slot[0].set()
 
     async def call(self, op: str, timeout: float | None = None, **args):
@@ -270,26 +297,34 @@ class LocalClient(Handshaking):
         rid = next(self._ids)
         slot = [trio.Event(), None]
         self._waiting[rid] = slot
+        sent = False
         try:
             with trio.fail_after(timeout) if timeout else _no_deadline():
                 frame = protocol.encode_request(rid, op, args)
                 while True:   # a SEQPACKET send is all or nothing: no interleaving callers
                     try:
                         sock.send(frame)
+                        sent = True
                         break
                     except BlockingIOError:
                         await trio.lowlevel.wait_writable(sock)
                 await slot[0].wait()
         except trio.TooSlowError:
+            if sent:
+                self._abandon(rid, op, args)
             raise RemoteError(errno.ETIMEDOUT, f"{op}: no reply within {timeout}s") from None
         except OSError as e:
             raise RemoteError(errno.ECONNRESET, f"{op}: {e}") from None
         except BaseException:   # cancelled: an fd that came meanwhile is nobody's
             if slot[1] is not None:
                 _close_all(slot[1].pop("fds", ()))
+            elif sent:
+                self._abandon(rid, op, args)
             raise
         finally:
             del self._waiting[rid]
+        if slot[1].get("failed") and not slot[1].get("answered"):
+            self._abandon(rid, op, args)
         return slot[1]
 
 
