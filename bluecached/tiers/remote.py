@@ -441,7 +441,9 @@ class RemoteTier:
         if obj.version != version or key is None or self.uploaded(node) or obj.writers:
             return
         async with obj.content_lock():
-            if obj.version != version or node.parent is None:
+            while obj.uploading is not None:   # queued again while its upload ran (a rename,
+                await obj.uploading.wait()     # a change of attributes): one at a time
+            if obj.version != version or node.parent is None or self.uploaded(node):
                 return
             if obj.chunks is None:
                 try:

@@ -4,6 +4,7 @@ another host, replaced when they change, gone with the object, and an object who
 missing or not its own is never served."""
 
 import errno
+import threading
 
 import pytest
 from test_remote import attach, find_path, serving, until
@@ -133,3 +134,64 @@ def test_an_object_whose_sidecar_is_not_its_own_is_never_served(harness, ceph, b
         with pytest.raises(FsError) as e:
             await find_path(b, "/s.bin")
         assert e.value.errno == errno.ENOENT
+
+
+def test_an_upload_that_raced_a_change_of_attributes_is_replaced(harness, ceph, bucket):
+    a = harness()
+    ra = attach(a, ceph, bucket)
+    started, gate = threading.Event(), threading.Event()
+    put = ra.s3.put
+
+    def held_put(*args):
+        started.set()
+        gate.wait(30)
+        return put(*args)
+
+    ra.s3.put = held_put
+
+    @serving(a)
+    async def _():
+        await a.put("/r.bin", pattern("r", MiB))
+        ino = a.store.ns.resolve("/r.bin").ino
+        await a.store.setxattr(ino, CRC, b"before")
+        await until(started.is_set, "the upload to start")
+        await a.store.setxattr(ino, CRC, b"after")     # while the upload is in flight
+        gate.set()
+        await until(lambda: ra.stats.uploads == 2 and not ra.queue_length(), "two uploads")
+        node = a.store.ns.resolve("/r.bin")
+        assert a.store.tier_of(node).endswith("+remote")
+
+    c = harness()
+    attach(c, ceph, bucket)
+
+    @serving(c)
+    async def _():
+        node = await find_path(c, "/r.bin")
+        assert c.store.getxattr(node.ino, CRC) == b"after"
+
+
+def test_a_change_on_a_placeholder_fetches_it_and_uploads_it_again(harness, ceph, bucket):
+    a, b = harness(), harness()
+    ra, rb = attach(a, ceph, bucket), attach(b, ceph, bucket, prefetch=0)
+    data = pattern("p", 3 * MiB)
+
+    @serving(a, b)
+    async def _():
+        await a.put("/p.bin", data)
+        await a.store.setxattr(a.store.ns.resolve("/p.bin").ino, CRC, b"a's")
+        await until(lambda: ra.stats.uploads == 1, "A's upload")
+        node = await find_path(b, "/p.bin")
+        assert b.store.tier_of(node) == "remote"
+        await b.store.setxattr(node.ino, CRC, b"b's")
+        assert b.store.tier_of(node).startswith("dram")    # fetched before its copy went
+        await until(lambda: rb.stats.uploads == 1, "B's upload")
+        assert await b.get("/p.bin") == data
+
+    c = harness()
+    attach(c, ceph, bucket)
+
+    @serving(c)
+    async def _():
+        node = await find_path(c, "/p.bin")
+        assert c.store.getxattr(node.ino, CRC) == b"b's"
+        assert await c.get("/p.bin") == data
