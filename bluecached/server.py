@@ -54,7 +54,8 @@ class ControlServer:
         self.status = status        # () -> dict
         self.stats = stats          # () -> dict
         self.verifier = verifier
-        self.max_message_bytes = max_message_bytes
+        # never below what one setxattr of a 64 KiB value needs (docs/protocol.md)
+        self.max_message_bytes = max(max_message_bytes, protocol.MIN_MESSAGE_BYTES)
         self.session_timeout = session_timeout
         self.incarnation = os.urandom(8).hex()
         self.sessions: dict[bytes, Session] = {}
@@ -449,6 +450,22 @@ class ControlServer:
 
     async def op_release_region(self, session, region) -> dict:
         self.regions.remove(region, owner=session)
+        return {}
+
+    async def op_setxattr(self, session, ino, name, value, flags=0) -> dict:
+        await self.store.setxattr(ino, name, value, flags)
+        return {}
+
+    async def op_getxattr(self, session, ino, name) -> dict:
+        return {"value": self.store.getxattr(ino, name)}
+
+    async def op_listxattr(self, session, ino) -> dict:
+        # one string as the kernel lists them (NUL after each name): a table of many short
+        # names would pass the decoder's bound on list lengths
+        return {"names": b"".join(n + b"\0" for n in self.store.listxattr(ino))}
+
+    async def op_removexattr(self, session, ino, name) -> dict:
+        await self.store.removexattr(ino, name)
         return {}
 
     async def op_verify(self, session, start=False) -> dict:

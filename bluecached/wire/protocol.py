@@ -17,6 +17,10 @@ MAX_LIST = 64
 MAX_FORGET = 4096
 MAX_BLOB = 65536     # a DOCA export descriptor (its size is the SDK's business)
 MAX_TARGET = 65536   # a symlink's target: the namespace enforces PATH_MAX, with its errno
+MAX_XATTR_VALUE = 2 * 65536   # the store answers E2BIG past 64 KiB (XATTR_SIZE_MAX)
+# The smallest request limit a daemon applies whatever its control.max_message_bytes: one
+# setxattr of the largest value with its name and framing.
+MIN_MESSAGE_BYTES = 65536 + 4096
 
 U64 = "u64"
 I64 = "i64"
@@ -24,6 +28,7 @@ U32 = "u32"
 BYTES = "bytes"
 BLOB = "blob"
 TARGET = "target"
+XATTR_VALUE = "xattr_value"
 STR = "str"
 BOOL = "bool"
 U32_LIST = "u32[]"
@@ -76,6 +81,12 @@ OPS: dict[str, tuple[dict, dict]] = {
     "import_region": ({"descriptor": BLOB, "address": U64, "length": U64}, {}),
     "release_region": ({"region": U64}, {}),
     "import_cuda_ipc": ({"handle": BYTES, "offset": U64, "length": U64}, {}),
+    # user.* extended attributes (hello's features: "xattrs"); flags: XATTR_CREATE (1),
+    # XATTR_REPLACE (2)
+    "setxattr": ({"ino": U64, "name": BYTES, "value": XATTR_VALUE}, {"flags": U32}),
+    "getxattr": ({"ino": U64, "name": BYTES}, {}),
+    "listxattr": ({"ino": U64}, {}),
+    "removexattr": ({"ino": U64, "name": BYTES}, {}),
 }
 
 
@@ -107,6 +118,8 @@ def _check(kind: str, value) -> bool:
         return type(value) is bytes and len(value) <= MAX_NAME
     if kind == TARGET:
         return type(value) is bytes and len(value) <= MAX_TARGET
+    if kind == XATTR_VALUE:
+        return type(value) is bytes and len(value) <= MAX_XATTR_VALUE
     if kind == BLOB:
         return type(value) is bytes and 0 < len(value) <= MAX_BLOB
     if kind == STR:
