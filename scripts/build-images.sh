@@ -13,9 +13,9 @@
 # DIR/bluecache-{host,dpu}_VERSION_ARCH.oci.tar (default DIR: dist/images), the artefact to copy
 # to a node (docs/kubernetes.md loads it into containerd or CRI-O there).
 # The .debs come from --debs DIR if it holds them, else scripts/build-debs.sh builds them.
-# The minimal root with the package's Debian dependencies is kept in
-# DIR (default /var/cache/bluecache/images)/base-ARCH and reused while the dependencies are the
-# same, so a rebuild downloads nothing. The mirror is BLUECACHE_DEBIAN_MIRROR, or apt's own.
+# The minimal root with the package's Debian dependencies is kept in --cache DIR (default
+# /var/cache/bluecache/images) as base-ARCH and reused while the dependencies are the same, so a
+# rebuild downloads nothing. The mirror is BLUECACHE_DEBIAN_MIRROR, or apt's own.
 # Needs root, debootstrap and podman (with qemu-user-static and binfmt-support for arm64).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -35,7 +35,7 @@ while [ $# -gt 0 ]; do
     --cache=*) cache=${1#--cache=}; shift ;;
     --arch) arches=$2; shift 2 ;;
     --arch=*) arches=${1#--arch=}; shift ;;
-    -h|--help) sed -n '2,21p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,19p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) echo "build-images: unknown argument $1" >&2; exit 2 ;;
   esac
 done
