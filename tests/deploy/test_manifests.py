@@ -79,6 +79,20 @@ def test_every_overlay_renders_and_validates_strictly(rendered):
     kubernetes_validate.validate(example, K8S_VERSION, strict=True)
 
 
+def test_every_container_runs_the_built_image(rendered):
+    """The name scripts/build-images.sh gives the host image, with the package's version; a
+    container a patch adds gets it too (an images: entry applies only where it is written)."""
+    changelog = (ROOT / "packaging/debian/changelog").read_text().split("\n", 1)[0]
+    version = changelog.split("(", 1)[1].split(")", 1)[0]
+    for name in OVERLAYS:
+        for c in containers(rendered[name]).values():
+            assert c["image"] == f"localhost/bluecache-host:{version}", (name, c["name"])
+            assert c["imagePullPolicy"] == "IfNotPresent"
+    example = yaml.safe_load((KUBE / "consumer/vllm-example.yaml").read_text())
+    (guard,) = example["spec"]["template"]["spec"]["initContainers"]
+    assert guard["image"] == f"localhost/bluecache-host:{version}"
+
+
 def test_strict_validation_rejects_an_unknown_field(rendered):
     """The check above has teeth: a misspelt field fails it."""
     ds = copy.deepcopy(one(rendered["embedded"], "DaemonSet"))
