@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 from . import __version__
-from .config import BLUECACHED
+from .config import BLUECACHED, DEFAULT_PATH
 from .wire import curve, protocol
 from .wire.client import RemoteError, SyncClient
 
@@ -198,7 +198,8 @@ def cmd_up(args) -> int:
               "hostd on one machine, and hostd is not installed here", file=sys.stderr)
         return 2
     return up(args.mount, args.state_dir, args.dram_size, args.nvme_size,
-              not args.no_allow_other, args.metrics)
+              not args.no_allow_other, args.metrics, config=args.config,
+              hostd_config=args.hostd_config, assignments=args.set)
 
 
 def cmd_keygen(args) -> int:
@@ -213,9 +214,11 @@ def cmd_keygen(args) -> int:
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="bluecachectl", description="Operate bluecached.")
     p.add_argument("--version", action="version", version=f"bluecachectl {__version__}")
-    p.add_argument("--state-dir", default=DEFAULT_STATE_DIR,
+    # No argparse default: `up` takes state_dir from bluecached's config file when not given.
+    p.add_argument("--state-dir", default=None,
                    help=f"the daemon's state directory, where its sockets are (with `up`: "
-                        f"where the cache keeps its data) (default {DEFAULT_STATE_DIR})")
+                        f"where the cache keeps its data) (default {DEFAULT_STATE_DIR}; "
+                        f"`up`: its config file's state_dir)")
     p.add_argument("--endpoint", help="talk to a daemon at this endpoint instead "
                                       "(tcp://HOST:PORT uses CURVE keys from --curve-dir)")
     p.add_argument("--curve-dir", default=DEFAULT_CURVE_DIR)
@@ -237,15 +240,28 @@ def parser() -> argparse.ArgumentParser:
     sub.add_parser("verify", help="re-check every checksum on NVMe (removes bad objects)")
     s = sub.add_parser("up", help="embedded mode: run bluecached and hostd here, mounted, in "
                                   "the foreground (Ctrl-C stops both)")
-    s.add_argument("--mount", help="mountpoint (default: hostd's built-in one)")
-    s.add_argument("--dram-size", help="DRAM tier size, e.g. 4GiB (default "
-                                       f"{BLUECACHED.default('tiers.dram.size')})")
-    s.add_argument("--nvme-size", help="NVMe tier size, e.g. 64GiB; 0 disables (default "
+    s.add_argument("--mount", help="mountpoint (default: hostd's config's mountpoint, "
+                                   "/mnt/kv-cache)")
+    s.add_argument("--dram-size", help="DRAM tier size, e.g. 4GiB (default: the config's "
+                                       f"tiers.dram.size, {BLUECACHED.default('tiers.dram.size')})")
+    s.add_argument("--nvme-size", help="NVMe tier size, e.g. 64GiB; 0 disables (default: the "
+                                       "config's tiers.nvme.size, "
                                        f"{BLUECACHED.default('tiers.nvme.size')})")
     s.add_argument("--no-allow-other", action="store_true",
                    help="only the mounting user may use the mount")
-    s.add_argument("--metrics", default=DEFAULT_METRICS, metavar="HOST:PORT",
-                   help=f'Prometheus endpoint (default {DEFAULT_METRICS}; "" disables it)')
+    s.add_argument("--metrics", metavar="HOST:PORT",
+                   help=f"bluecached's Prometheus endpoint and probes (default: its config's "
+                        f'metrics.listen, {DEFAULT_METRICS}; "" disables it)')
+    s.add_argument("--config", metavar="FILE",
+                   help=f"bluecached's config file, as its unit reads (default {DEFAULT_PATH} "
+                        f'where it exists; "" for none)')
+    s.add_argument("--hostd-config", metavar="FILE",
+                   help="hostd's config file (default /etc/bluecache/hostd.yaml where it "
+                        'exists; "" for none)')
+    s.add_argument("--set", action="append", default=[], metavar="DAEMON.KEY=VALUE",
+                   help="a key over that daemon's config file, as in the file: "
+                        "bluecached.tiers.dram.size=8GiB, hostd.mount.read_ahead=8 "
+                        "(repeatable; the options above win over it)")
     s = sub.add_parser("keygen", help="create a CURVE key pair for the tcp:// link")
     s.add_argument("--name", default="server", help="'server' on the DPU, a host name on hosts")
     # `bluecachectl up --state-dir DIR` reads naturally (the README and issue spell it so):
@@ -264,6 +280,8 @@ COMMANDS = {"status": cmd_status, "stats": cmd_stats, "ls": cmd_ls, "du": cmd_du
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
+    if args.command != "up":
+        args.state_dir = args.state_dir or DEFAULT_STATE_DIR
     try:
         if args.command == "keygen":
             return cmd_keygen(args)

@@ -15,11 +15,13 @@ import time
 from pathlib import Path
 
 from bluecached import statelock
-from bluecached.config import BLUECACHED, ConfigError, load_config, parse_size
+from bluecached.config import DEFAULT_PATH, ConfigError, load_config
+from bluecached.config.schema import OVERRIDE, SET_OPTION
 from bluecached.paths import PathProblem, describe, make_directory, not_a_directory
 from bluecached.supervisor import NotReady, Supervised, python_module, set_options
 
-from .config import HOSTD
+from .config import DEFAULT_PATH as HOSTD_DEFAULT_PATH
+from .config import load_config as load_hostd_config
 from .mount import mounts_at
 
 
@@ -31,19 +33,64 @@ def _notify_systemd(message: str) -> None:
             s.send(message.encode())
 
 
-def _daemon(name: str, module: str, settings: dict, state: Path) -> Supervised:
-    """`settings` (dotted keys) are the daemon's whole config: --config /dev/null keeps the
-    packaged /etc/bluecache files out of it. Its own session (a terminal's Ctrl-C reaches only
-    `up`, which stops the daemons in order), but it dies with `up`; its log goes to `up`'s
-    stderr."""
-    return Supervised(name, python_module(module, "--config", os.devnull,
-                                          *set_options(settings)),
+def _daemon(name: str, module: str, config: Path | None, assignments: list[str],
+            settings: dict, state: Path) -> Supervised:
+    """The daemon's config is `config` (None: its built-in defaults; /dev/null keeps the
+    packaged /etc/bluecache file out), the operator's --set `assignments` over it, then
+    `settings` (dotted keys: what `up` decides) over those. Its own session (a terminal's
+    Ctrl-C reaches only `up`, which stops the daemons in order), but it dies with `up`; its
+    log goes to `up`'s stderr."""
+    sets = [option for a in assignments for option in ("--set", a)]
+    return Supervised(name, python_module(module, "--config", str(config or os.devnull),
+                                          *sets, *set_options(settings)),
                       state / f"up-{name}.notify", new_session=True, die_with_parent=True)
 
 
 # The option of `up` that sets each overridden key, for its error messages.
 OPTIONS = {"state_dir": "--state-dir", "metrics.listen": "--metrics",
            "tiers.dram.size": "--dram-size", "tiers.nvme.size": "--nvme-size"}
+HOSTD_OPTIONS = {"state_dir": "--state-dir", "mountpoint": "--mount"}
+DAEMONS = ("bluecached", "hostd")
+
+
+class UpError(Exception):
+    """A problem with `up`'s options or config files: one line, exit status 2."""
+
+
+def config_file(given: str | None, default: Path) -> Path | None:
+    """The config file a daemon started by `up` reads: the one given (\"\" for none), else
+    the packaged one where it exists."""
+    if given is None:
+        return default if default.exists() else None
+    return Path(given) if given else None
+
+
+def split_assignments(assignments: list[str]) -> dict[str, list[str]]:
+    """`--set bluecached.KEY=VALUE` and `--set hostd.KEY=VALUE`: each daemon's own --set
+    options (KEY=VALUE)."""
+    out: dict[str, list[str]] = {name: [] for name in DAEMONS}
+    for assignment in assignments:
+        key, equals, value = assignment.partition("=")
+        daemon, dot, rest = key.strip().partition(".")
+        if not (equals and dot and rest.strip() and daemon in out):
+            raise UpError(f"--set {assignment}: expected bluecached.KEY=VALUE or "
+                          f"hostd.KEY=VALUE (the daemon whose key it is, then the key as in "
+                          f"its file), e.g. bluecached.tiers.dram.size=8GiB")
+        out[daemon].append(f"{rest}={value}")
+    return out
+
+
+def _load(name: str, load, path: Path | None, overrides: dict, assignments: list[str],
+          options: dict):
+    try:
+        return load(path, overrides, assignments)
+    except ConfigError as e:
+        if e.source == OVERRIDE and e.key:
+            raise UpError(f"{options.get(e.key, e.key)}: {e.problem}") from None
+        if e.source == SET_OPTION:
+            where = f"--set {name}.{e.key}" if e.key else f"--set: {name}"
+            raise UpError(f"{where}: {e.problem}") from None
+        raise UpError(f"{name}'s config {e}") from None
 
 
 def _prepare(mount: str, state: Path, cfg) -> None:
@@ -64,30 +111,42 @@ def _prepare(mount: str, state: Path, cfg) -> None:
         lock.release()
 
 
-def up(mount: str | None, state_dir: str, dram_size: str | None, nvme_size: str | None,
-       allow_other: bool = True, metrics: str | None = None) -> int:
-    """Defaults (None) are the daemons' own, from their tables."""
-    mount = mount or str(HOSTD.default("mountpoint"))
-    if metrics is None:
-        metrics = BLUECACHED.default("metrics.listen")
-    state = Path(state_dir).resolve()
-    overrides = {"state_dir": str(state), "metrics.listen": metrics}
+def up(mount: str | None, state_dir: str | None, dram_size: str | None,
+       nvme_size: str | None, allow_other: bool = True, metrics: str | None = None, *,
+       config: str | None = None, hostd_config: str | None = None,
+       assignments: list[str] = ()) -> int:
+    """Defaults (None) come from the daemons' config files (`config`, `hostd_config`: the
+    packaged /etc/bluecache ones where they exist; "" for none), then their tables. Over the
+    files: `assignments` ("bluecached.KEY=VALUE", "hostd.KEY=VALUE"), then `up`'s options."""
+    bluecached_path = config_file(config, DEFAULT_PATH)
+    hostd_path = config_file(hostd_config, HOSTD_DEFAULT_PATH)
+    overrides = {}
+    if state_dir:
+        overrides["state_dir"] = str(Path(state_dir).resolve())
+    if metrics is not None:
+        overrides["metrics.listen"] = metrics
     if dram_size:
         overrides["tiers.dram.size"] = dram_size
     if nvme_size:
         overrides["tiers.nvme.size"] = nvme_size
     try:
-        cfg = load_config(None, overrides)
-        for size in (dram_size, nvme_size):
-            if size:
-                parse_size(size)
-    except ConfigError as e:
-        where = OPTIONS.get(e.key, e.key) if e.key else e.source
-        print(f"bluecachectl up: {where}: {e.problem}", file=sys.stderr)
-        return 2
-    except ValueError as e:
+        sets = split_assignments(list(assignments))
+        cfg = _load("bluecached", load_config, bluecached_path, overrides, sets["bluecached"],
+                    OPTIONS)
+        state = Path(cfg.state_dir).resolve()
+        # embedded mode: hostd reaches this bluecached through the sockets in its state_dir
+        hostd_overrides = {"state_dir": str(state), "daemon.control": "ipc",
+                           "daemon.events": "ipc"}
+        if mount:
+            hostd_overrides["mountpoint"] = str(Path(mount).absolute())
+        if not allow_other:
+            hostd_overrides["mount.allow_other"] = False
+        hcfg = _load("hostd", load_hostd_config, hostd_path, hostd_overrides, sets["hostd"],
+                     HOSTD_OPTIONS)
+    except UpError as e:
         print(f"bluecachectl up: {e}", file=sys.stderr)
         return 2
+    mount = str(hcfg.mountpoint)
     try:
         _prepare(mount, state, cfg)
     except PathProblem as e:
@@ -101,9 +160,13 @@ def up(mount: str | None, state_dir: str, dram_size: str | None, nvme_size: str 
         "state_dir": str(state), "tiers.dram.size": cfg.tiers.dram.size,
         "tiers.nvme.path": str(nvme.path), "tiers.nvme.size": nvme.size,
         "tiers.nvme.segment_size": min(nvme.segment_size, max(nvme.size, 1 << 20)),
-        "metrics.listen": cfg.metrics.listen}
+        "metrics.listen": cfg.metrics.listen or ""}
     hostd_settings = {"mountpoint": str(Path(mount).resolve()), "state_dir": str(state),
-                      "mount.allow_other": allow_other}
+                      "daemon.control": "ipc", "daemon.events": "ipc",
+                      "mount.allow_other": hcfg.mount.allow_other}
+    print(f"bluecache config: bluecached {bluecached_path or 'built-in defaults'}, hostd "
+          f"{hostd_path or 'built-in defaults'}"
+          + (f"; --set {' '.join(assignments)}" if assignments else ""), flush=True)
     children: list[Supervised] = []
     stopping = []
 
@@ -114,10 +177,12 @@ def up(mount: str | None, state_dir: str, dram_size: str | None, nvme_size: str 
     signal.signal(signal.SIGTERM, on_signal)
     status = 0
     try:
-        daemon = _daemon("bluecached", "bluecached.daemon", bluecached_settings, state)
+        daemon = _daemon("bluecached", "bluecached.daemon", bluecached_path,
+                         sets["bluecached"], bluecached_settings, state)
         children.append(daemon)
         daemon.start().wait_ready(120)
-        hostd = _daemon("hostd", "hostd.daemon", hostd_settings, state)
+        hostd = _daemon("hostd", "hostd.daemon", hostd_path, sets["hostd"], hostd_settings,
+                        state)
         children.append(hostd)
         hostd.start().wait_ready(60)
         gib = 1 << 30
