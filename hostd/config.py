@@ -29,6 +29,18 @@ from bluecached.config.schema import (
 DEFAULT_PATH = Path("/etc/bluecache/hostd.yaml")
 
 
+def _kernel_timeout_outlasts_hostd(cfg) -> tuple[str, str] | None:
+    """hostd answers a request within a few daemon.request_timeout even with bluecached gone
+    (one request may wait for writes in flight, then for its own call); a kernel timeout
+    shorter than that would abort a healthy mount."""
+    kernel, daemon = cfg.mount.kernel_request_timeout, cfg.daemon.request_timeout
+    if 0 < kernel < 3 * daemon:
+        return ("mount.kernel_request_timeout",
+                f"{kernel} s is less than 3 x daemon.request_timeout ({daemon:g} s): the kernel "
+                f"would abort the mount while hostd still waits for bluecached (0 turns it off)")
+    return None
+
+
 HOSTD = Schema("HostdConfig", (
     "hostd configuration: the FUSE mount at /mnt/kv-cache and its link to bluecached.\n"
     "Durations are seconds or a number with a unit: ms, s, m, h, d.\n"
@@ -51,9 +63,12 @@ HOSTD = Schema("HostdConfig", (
                            "tcp only: this host's CURVE key pair and the daemon's public key."),
         "curve_name": Field(as_text(pattern=r"[^/]+", wanted="a key pair name (no '/')"),
                             "client", "tcp only: this host's key pair name."),
-        "request_timeout": Field(as_duration(minimum=0.1), "30s",
-                                 "How long an operation waits for bluecached (e.g. while it "
-                                 "restarts) before it fails with EIO."),
+        "request_timeout": Field(as_duration(minimum=0.1), "5s",
+                                 "The deadline of a request through the mount that needs "
+                                 "bluecached: while bluecached is stopped, hung or restarting, "
+                                 "it fails with EIO once this has passed (a connector's miss; "
+                                 "docs/operations.md, Bounded I/O time). Also how long hostd "
+                                 "waits for bluecached at start."),
     }),
     "doca": Schema("HostDocaConfig", (
         "Used when bluecached runs the doca engine: hostd exports its staging memory and "
@@ -113,8 +128,15 @@ HOSTD = Schema("HostdConfig", (
                               "How long the kernel trusts a file's attributes."),
         "negative_timeout": Field(as_duration(), "2s",
                                   "How long the kernel remembers that a name does not exist."),
+        "kernel_request_timeout": Field(
+            as_count(minimum=0, maximum=65535), 60,
+            "Seconds the kernel lets a request to hostd go unanswered before it aborts the "
+            "connection (FUSE request timeout, kernel 6.14+; 0: not asked, the sysctl "
+            "fs.fuse.default_request_timeout applies): the backstop for a stopped or hung "
+            "hostd. Aborted, the mount answers ENOTCONN until hostd is restarted (systemd "
+            "does that once hostd exits). At least 3 x daemon.request_timeout."),
     }),
-})
+}, check=_kernel_timeout_outlasts_hostd)
 
 
 def load_config(path: Path | None, overrides: Mapping[str, Any] | None = None,

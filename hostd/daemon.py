@@ -8,6 +8,7 @@ requests wait for it (see link.py).
 
 import argparse
 import ctypes
+import errno
 import logging
 import os
 import signal
@@ -202,6 +203,16 @@ async def run(cfg, path: Path | None, notifier, assignments: list[str] | None = 
             async def serve_fuse():
                 try:
                     await pyfuse3.main()
+                    if not stopping:
+                        # The kernel ended the session by itself: it aborted the connection
+                        # because a request went unanswered for mount.kernel_request_timeout
+                        # (hostd was stopped or hung). The mount answers ENOTCONN from now on:
+                        # exit with an error, so that systemd restarts hostd, which clears
+                        # the dead mount and mounts again.
+                        log.error("the kernel aborted the FUSE connection (a request went "
+                                  "unanswered for mount.kernel_request_timeout): %s answers "
+                                  "ENOTCONN until hostd is restarted", mountpoint)
+                        raise ConnectionAbortedError(errno.ECONNABORTED, "FUSE session ended")
                 except* ConnectionAbortedError:
                     # A busy mount is detached lazily at stop; the kernel may then end the
                     # connection under the loop's read (ECONNABORTED): the session is over,

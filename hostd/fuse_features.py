@@ -1,6 +1,7 @@
-"""What hostd asks of the kernel's FUSE beyond what libfuse 3.14 knows: passthrough and the
-request size (mount.passthrough, mount.max_pages), both negotiated by the fuse shim in the
-INIT reply (native/fuse_shim.c)."""
+"""What hostd asks of the kernel's FUSE beyond what libfuse 3.14 knows: passthrough, the
+request size and the kernel's request timeout (mount.passthrough, mount.max_pages,
+mount.kernel_request_timeout), all negotiated by the fuse shim in the INIT reply
+(native/fuse_shim.c)."""
 
 import logging
 from pathlib import Path
@@ -24,6 +25,7 @@ class FuseFeatures:
         pages = mount.max_pages if mount.max_pages != LIBFUSE_PAGES else 0
         if pages > LIBFUSE_PAGES:
             _allow_pages(pages)
+        self.request_timeout = self._ask_request_timeout(mount.kernel_request_timeout)
         if not mount.passthrough and not pages:
             return
         if shim.lib.bc_negotiate(int(mount.passthrough), pages) != 0:
@@ -34,16 +36,43 @@ class FuseFeatures:
         if mount.passthrough:
             self.passthrough = Passthrough(shim)
 
+    def _ask_request_timeout(self, seconds: int) -> int:
+        """The kernel's request timeout the shim asks for in INIT (0: none)."""
+        if seconds and self.shim.lib.bc_negotiate_request_timeout(seconds) != 0:
+            log.warning("the fuse shim cannot negotiate the kernel's request timeout: a "
+                        "stopped hostd makes callers wait until it runs again")
+            return 0
+        return seconds
+
+    def _report_request_timeout(self) -> None:
+        """Once INIT is answered: whether the kernel took mount.kernel_request_timeout."""
+        if not self.request_timeout:
+            return
+        got = self.shim.lib.bc_request_timeout_state()
+        if got < 0:
+            log.warning("the kernel's INIT was not answered through the fuse shim: kernel "
+                        "request timeout unknown")
+        elif got > 0:
+            log.info("kernel request timeout: %d s (a request hostd leaves unanswered that "
+                     "long aborts the mount)", got)
+        else:
+            log.info("kernel request timeout: not offered by the kernel (FUSE 7.%d; needs "
+                     "7.43, Linux 6.14): a stopped hostd makes callers wait",
+                     self.shim.lib.bc_kernel_minor())
+
     async def report(self) -> str:
         """Once the kernel's INIT has been answered (pyfuse3.main answers it first): logs
         what was negotiated; returns it in a few words (for systemd's STATUS)."""
-        if not self.asked:
-            return "passthrough off"
         lib = self.shim.lib
+        if not self.asked and not self.request_timeout:
+            return "passthrough off"
         with trio.move_on_after(5):
             # set in C, with nothing to wait on: a few polls, once per mount
             while lib.bc_max_pages() == 0:  # noqa: ASYNC110
                 await trio.sleep(0.01)
+        self._report_request_timeout()
+        if not self.asked:
+            return "passthrough off"
         if lib.bc_max_pages() == 0:
             log.warning("the kernel's INIT was not answered through the fuse shim: "
                         "passthrough and max_pages unknown")
