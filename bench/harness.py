@@ -337,7 +337,7 @@ class Hostd:
         self.daemon = daemon
         self.mountpoint = mountpoint
         self.settings = {"mountpoint": str(mountpoint), "state_dir": str(daemon.state_dir),
-                         "daemon.request_timeout": "20s", **settings}
+                         "daemon.request_timeout": "20s", "metrics.listen": "", **settings}
         self.log = daemon.root / "hostd.log"
         self.process: Supervised | None = None
 

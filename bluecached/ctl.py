@@ -199,7 +199,8 @@ def cmd_up(args) -> int:
         return 2
     return up(args.mount, args.state_dir, args.dram_size, args.nvme_size,
               not args.no_allow_other, args.metrics, config=args.config,
-              hostd_config=args.hostd_config, assignments=args.set)
+              hostd_config=args.hostd_config, assignments=args.set,
+              hostd_metrics=args.hostd_metrics)
 
 
 def cmd_keygen(args) -> int:
@@ -252,6 +253,9 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--metrics", metavar="HOST:PORT",
                    help=f"bluecached's Prometheus endpoint and probes (default: its config's "
                         f'metrics.listen, {DEFAULT_METRICS}; "" disables it)')
+    s.add_argument("--hostd-metrics", metavar="HOST:PORT",
+                   help="hostd's Prometheus endpoint and probes (default: its config's "
+                        'metrics.listen, 127.0.0.1:9465; "" disables it)')
     s.add_argument("--config", metavar="FILE",
                    help=f"bluecached's config file, as its unit reads (default {DEFAULT_PATH} "
                         f'where it exists; "" for none)')

@@ -17,6 +17,7 @@ from bluecached.config.schema import (
     as_duration,
     as_endpoint,
     as_flag,
+    as_host_port,
     as_path,
     as_pci_address,
     as_text,
@@ -135,6 +136,11 @@ HOSTD = Schema("HostdConfig", (
             "fs.fuse.default_request_timeout applies): the backstop for a stopped or hung "
             "hostd. Aborted, the mount answers ENOTCONN until hostd is restarted (systemd "
             "does that once hostd exits). At least 3 x daemon.request_timeout."),
+    }),
+    "metrics": Schema("HostdMetricsConfig", "Prometheus metrics and health probes.", {
+        "listen": Field(as_host_port(optional=True), "127.0.0.1:9465",
+                        'HTTP endpoint "HOST:PORT" for /metrics, /healthz and /readyz (the '
+                        'mount serves); "" or null disables it. bluecached\'s is 9464.'),
     }),
 }, check=_kernel_timeout_outlasts_hostd)
 

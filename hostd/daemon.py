@@ -24,7 +24,7 @@ import pyfuse3  # noqa: E402
 import trio  # noqa: E402
 import zmq  # noqa: E402
 
-from bluecached import __version__, logs  # noqa: E402
+from bluecached import __version__, logs, metrics  # noqa: E402
 from bluecached.notify import Notifier  # noqa: E402
 from bluecached.paths import describe  # noqa: E402
 from bluecached.startup import StartupError, run_service  # noqa: E402
@@ -37,6 +37,7 @@ from fusefs.inplace import InPlaceWrites  # noqa: E402
 from fusefs.ioctl import IoctlDispatch  # noqa: E402
 
 from . import config  # noqa: E402
+from . import metrics as hostd_metrics  # noqa: E402
 from .fuse_features import FuseFeatures  # noqa: E402
 from .fuse_log import answer_to_a_gone_connection  # noqa: E402
 from .ioctl import ZeroCopyTransfers  # noqa: E402
@@ -145,11 +146,22 @@ async def run(cfg, path: Path | None, notifier, assignments: list[str] | None = 
                                     cfg.mount.negative_timeout),
                      passthrough=features.passthrough if features else None)
     link.on_restart = ops.forget_everything
+    counts = hostd_metrics.FuseCounts()
+    counts.instrument(ops)
+    collector = hostd_metrics.HostdCollector(counts, link)
+    readiness = hostd_metrics.Readiness(mountpoint, link, f"fuse.{FSNAME}")
     if features is not None and features.passthrough is not None:
         link.wants_backing = features.passthrough.negotiated
     with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
         async with trio.open_nursery() as nursery:
             await nursery.start(client.run)
+            if cfg.metrics.listen:
+                try:
+                    await nursery.start(metrics.serve, cfg.metrics.listen, metrics.routes(
+                        metrics.registry(collector), readiness))
+                except OSError as e:
+                    raise StartupError(f"metrics endpoint {cfg.metrics.listen}: cannot listen: "
+                                       f"{e.strerror or e}") from None
             try:
                 await link.connect()
             except trio.TooSlowError:
@@ -178,7 +190,8 @@ async def run(cfg, path: Path | None, notifier, assignments: list[str] | None = 
             except RuntimeError as e:
                 raise StartupError(f"cannot mount {mountpoint}: {e}") from None
             if SHIM is not None:
-                ioctls = IoctlDispatch(SHIM, ZeroCopyTransfers(link))
+                collector.transfers = ZeroCopyTransfers(link)
+                ioctls = IoctlDispatch(SHIM, counts.transfers(collector.transfers))
                 await nursery.start(ioctls.run)
                 log.info("zero-copy %s", ioctls.state())
             else:
@@ -191,9 +204,10 @@ async def run(cfg, path: Path | None, notifier, assignments: list[str] | None = 
                                 "reads requests itself")
             in_place = None
             if SHIM is not None and cfg.mount.receive_in_place:
-                in_place = InPlaceWrites(SHIM, link)
+                in_place = InPlaceWrites(SHIM, counts.slot_writer(link))
                 problem = in_place.start()
                 if problem is None:
+                    collector.in_place = in_place
                     log.info("writes are received in place (into staging slots)")
                 else:
                     log.warning("writes are copied: %s", problem)
@@ -226,6 +240,7 @@ async def run(cfg, path: Path | None, notifier, assignments: list[str] | None = 
             nursery.start_soon(serve_fuse)
             negotiated = f" ({await features.report()})" if features else ""
             notifier.notify(f"READY=1\nSTATUS=serving {mountpoint}{negotiated}")
+            readiness.state = "serving"
             log.info("serving %s from bluecached at %s", mountpoint, control)
             try:
                 async for signum in signals:
@@ -235,6 +250,7 @@ async def run(cfg, path: Path | None, notifier, assignments: list[str] | None = 
                     log.info("%s: unmounting %s", signal.Signals(signum).name, mountpoint)
                     notifier.notify("STOPPING=1")
                     stopping = True
+                    readiness.state = "stopping"
                     break
                 # Unmount while still serving, so the kernel's last RELEASE and FORGET requests
                 # get answers; the FUSE loop ends when the kernel closes the session.

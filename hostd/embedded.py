@@ -49,7 +49,8 @@ def _daemon(name: str, module: str, config: Path | None, assignments: list[str],
 # The option of `up` that sets each overridden key, for its error messages.
 OPTIONS = {"state_dir": "--state-dir", "metrics.listen": "--metrics",
            "tiers.dram.size": "--dram-size", "tiers.nvme.size": "--nvme-size"}
-HOSTD_OPTIONS = {"state_dir": "--state-dir", "mountpoint": "--mount"}
+HOSTD_OPTIONS = {"state_dir": "--state-dir", "mountpoint": "--mount",
+                 "metrics.listen": "--hostd-metrics"}
 DAEMONS = ("bluecached", "hostd")
 
 
@@ -114,7 +115,7 @@ def _prepare(mount: str, state: Path, cfg) -> None:
 def up(mount: str | None, state_dir: str | None, dram_size: str | None,
        nvme_size: str | None, allow_other: bool = True, metrics: str | None = None, *,
        config: str | None = None, hostd_config: str | None = None,
-       assignments: list[str] = ()) -> int:
+       assignments: list[str] = (), hostd_metrics: str | None = None) -> int:
     """Defaults (None) come from the daemons' config files (`config`, `hostd_config`: the
     packaged /etc/bluecache ones where they exist; "" for none), then their tables. Over the
     files: `assignments` ("bluecached.KEY=VALUE", "hostd.KEY=VALUE"), then `up`'s options."""
@@ -141,8 +142,14 @@ def up(mount: str | None, state_dir: str | None, dram_size: str | None,
             hostd_overrides["mountpoint"] = str(Path(mount).absolute())
         if not allow_other:
             hostd_overrides["mount.allow_other"] = False
+        if hostd_metrics is not None:
+            hostd_overrides["metrics.listen"] = hostd_metrics
         hcfg = _load("hostd", load_hostd_config, hostd_path, hostd_overrides, sets["hostd"],
                      HOSTD_OPTIONS)
+        if cfg.metrics.listen and cfg.metrics.listen == hcfg.metrics.listen:
+            raise UpError(f"bluecached and hostd would both serve metrics at "
+                          f"{cfg.metrics.listen}: give each its own (--metrics, "
+                          f"--hostd-metrics)")
     except UpError as e:
         print(f"bluecachectl up: {e}", file=sys.stderr)
         return 2
@@ -163,7 +170,8 @@ def up(mount: str | None, state_dir: str | None, dram_size: str | None,
         "metrics.listen": cfg.metrics.listen or ""}
     hostd_settings = {"mountpoint": str(Path(mount).resolve()), "state_dir": str(state),
                       "daemon.control": "ipc", "daemon.events": "ipc",
-                      "mount.allow_other": hcfg.mount.allow_other}
+                      "mount.allow_other": hcfg.mount.allow_other,
+                      "metrics.listen": hcfg.metrics.listen or ""}
     print(f"bluecache config: bluecached {bluecached_path or 'built-in defaults'}, hostd "
           f"{hostd_path or 'built-in defaults'}"
           + (f"; --set {' '.join(assignments)}" if assignments else ""), flush=True)
@@ -189,6 +197,11 @@ def up(mount: str | None, state_dir: str | None, dram_size: str | None,
         print(f"bluecache ready: {Path(mount).resolve()} (dram {cfg.tiers.dram.size / gib:g} GiB, "
               f"nvme {cfg.tiers.nvme.size / gib:g} GiB at {cfg.tiers.nvme.path}); "
               f"watch with: bluecachectl --state-dir {state} stats; Ctrl-C stops", flush=True)
+        served = [f"{name} http://{listen}/metrics" for name, listen in
+                  (("bluecached", cfg.metrics.listen), ("hostd", hcfg.metrics.listen)) if listen]
+        if served:
+            print(f"bluecache metrics: {', '.join(served)} (probes: /healthz, /readyz)",
+                  flush=True)
         _notify_systemd("READY=1")
         while not stopping:
             for child in children:

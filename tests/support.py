@@ -346,7 +346,8 @@ class HostdProcess:
         self.mountpoint = mountpoint
         self.root = daemon.root
         cfg = {"mountpoint": str(mountpoint), "state_dir": str(daemon.state_dir),
-               "daemon": {"request_timeout": "20s"}}
+               "daemon": {"request_timeout": "20s"},
+               "metrics": {"listen": ""}}   # tests side by side: no shared default port
         for key, value in settings.items():
             node = cfg
             *parents, last = key.split(".")

@@ -31,7 +31,8 @@ class Up:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "bluecached.ctl", "up", "--mount", str(self.mnt),
              "--state-dir", str(self.state), "--dram-size", "128MiB", "--nvme-size", "256MiB",
-             "--metrics", f"127.0.0.1:{self.port}", *options],
+             "--metrics", f"127.0.0.1:{self.port}",
+             "--hostd-metrics", f"127.0.0.1:{free_port()}", *options],
             stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
             text=True)
         self.lines: list[str] = []

@@ -50,13 +50,14 @@ def _lines_until(proc: subprocess.Popen, needle: str, timeout: float = 120) -> l
 
 def test_up_reads_both_config_files_and_set_options_over_them(tmp_path):
     mnt, state = tmp_path / "from-hostd-yaml", tmp_path / "from-bluecached-yaml"
-    ports = {"bluecached": free_port()}
+    ports = {"bluecached": free_port(), "hostd": free_port()}
     bluecached_yaml = tmp_path / "bluecached.yaml"
     bluecached_yaml.write_text(yaml.safe_dump({
         "state_dir": str(state), "tiers": {"dram": {"size": "96MiB"}, "nvme": {"size": 0}},
         "metrics": {"listen": f"127.0.0.1:{ports['bluecached']}"}}))
     hostd_yaml = tmp_path / "hostd.yaml"
-    hostd_yaml.write_text(yaml.safe_dump({"mountpoint": str(mnt)}))
+    hostd_yaml.write_text(yaml.safe_dump({
+        "mountpoint": str(mnt), "metrics": {"listen": f"127.0.0.1:{ports['hostd']}"}}))
     proc = _up("--config", str(bluecached_yaml), "--hostd-config", str(hostd_yaml),
                "--set", "bluecached.tiers.dram.size=80MiB", "--set", "hostd.log_level=debug")
     try:
@@ -75,6 +76,9 @@ def test_up_reads_both_config_files_and_set_options_over_them(tmp_path):
         for port in ports.values():
             with urllib.request.urlopen(f"http://127.0.0.1:{port}/readyz", timeout=10) as r:
                 assert r.read() == b"ready\n"
+        with urllib.request.urlopen(f"http://127.0.0.1:{ports['hostd']}/metrics",
+                                    timeout=10) as r:
+            assert b"bluecache_hostd_fuse_requests_total" in r.read()
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=120) == 0
         assert not is_mounted(mnt)
@@ -107,9 +111,12 @@ def test_up_refuses_a_set_option_naming_the_key(tmp_path, option, message):
     assert not (tmp_path / "s").exists()     # nothing was started
 
 
-def test_up_refuses_a_missing_config(tmp_path):
+def test_up_refuses_one_port_for_both_daemons_and_a_missing_config(tmp_path):
     base = [sys.executable, "-m", "bluecached.ctl", "up", "--mount", str(tmp_path / "m"),
             "--state-dir", str(tmp_path / "s")]
+    r = subprocess.run(base + ["--metrics", "127.0.0.1:9999", "--hostd-metrics",
+                               "127.0.0.1:9999"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "both serve metrics at 127.0.0.1:9999" in r.stderr
     r = subprocess.run(base + ["--hostd-config", str(tmp_path / "none.yaml")],
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 2
