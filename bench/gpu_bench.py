@@ -34,6 +34,7 @@ import time
 from pathlib import Path
 
 import harness
+import yaml
 from harness import Bluecached, Hostd, MiB, force_unmount, pattern
 from ioctl_bench import posix_load, posix_store, timed
 
@@ -133,6 +134,8 @@ def main() -> int:
                                                  "directory with --simulator)")
     ap.add_argument("--simulator", action="store_true",
                     help="run on the CUDA driver simulator (no GPU; numbers meaningless)")
+    ap.add_argument("--daemon", action="append", default=[], metavar="KEY=VALUE",
+                    help="a bluecached setting for the run (repeatable; VALUE as in YAML)")
     ap.add_argument("--ipc-child", metavar="HANDLE_HEX", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.ipc_child:
@@ -153,8 +156,9 @@ def main() -> int:
     device = cuda.name() + (" (simulated: no GPU, copies by the CPU)" if kind != "gpu" else "")
     print(f"device: {device}", flush=True)
     dram = f"{max(2 * total_mib, 512)}MiB"
+    settings = {k: yaml.safe_load(v) for k, v in (kv.split("=", 1) for kv in args.daemon)}
     daemon = Bluecached(work / "d", **{"tiers.dram.size": dram, "tiers.nvme.size": "8GiB",
-                                       "tiers.nvme.segment_size": "1GiB"})
+                                       "tiers.nvme.segment_size": "1GiB", **settings})
     hostd = Hostd(daemon, work / "mnt")   # stopped in finally, whatever failed
     started = time.time()
     results: dict[str, dict[str, float]] = {}
@@ -238,6 +242,7 @@ def main() -> int:
                            cuda_driver_version=cuda.driver_version())
     out.update({
         "simulated": kind != "gpu", "block_mib": args.size_mib, "blocks": args.blocks,
+        "daemon_settings": settings,
         "rounds": args.rounds, "results_mib_s": results, "ratios": ratios,
         "targets_met": targets_met, "bytes_ok": bytes_ok, "ipc_open_close": ipc,
         "seconds": round(time.time() - started, 1)})

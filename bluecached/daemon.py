@@ -268,6 +268,7 @@ class Daemon:
             await services.start(self.store.remote.run)
             self.store.remote.admit_persisted()
         services.start_soon(self.store.maintain)
+        services.start_soon(self.store.watch_kernel_writes)
         services.start_soon(self._report_status)
         tiers.kick_writeback_all()
 

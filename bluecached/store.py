@@ -24,9 +24,12 @@ log = logging.getLogger("bluecached.store")
 
 MAX_FILE_SIZE = 1 << 40   # without an NVMe tier; with one, an object is one extent (see below)
 TMP_SUFFIX = b".tmp"
-# A writer's kernel is given the memfd only while this much fits in DRAM without waiting:
-# its writes are counted after the fact (Store.observe), so room is checked before.
+# A writer's kernel is given the memfd only while this much (or a quarter of the tier) fits
+# in DRAM without waiting: its writes are counted after the fact (Store.observe).
 KERNEL_WRITE_ROOM = 64 << 20
+# How often the kernel writers' memfds are looked at: a writer can overshoot a file's size
+# limit or the DRAM tier by what it writes in this time before its memfd stops growing.
+KERNEL_WRITE_WATCH_S = 0.02
 INODE_LIMIT = 1 << 32   # what statfs reports as the inode total
 
 
@@ -60,6 +63,8 @@ class Store:
         self.kernel_refs: dict[int, int] = {}
         self._next_fh = 1
         self.tmp_inos: set[int] = set()
+        self.kernel_writers: dict[int, Inode] = {}   # written by a client's kernel (observe)
+        self._kernel_writers_changed = trio.Event()
         self.logical_bytes = 0
         self.remote = None   # a RemoteTier when configured (compose.add_remote_tier sets it)
         # An object lives in one NVMe extent, which never crosses a segment: a file larger than
@@ -534,6 +539,7 @@ class Store:
         node = handle.node
         obj = node.obj
         self.observe(node)
+        swap_lent = obj.kernel_writer == fh and obj.opens == 1 and self._stop_kernel_writes(node)
         chunks = await self.tiers.take_content(length)
         try:
             if length:
@@ -544,7 +550,8 @@ class Store:
         async with obj.content_lock():
             obj.remote_info = None
             self.tiers.begin_modify(node)
-            if obj.chunks is not None and obj.chunks.memfd is not None and obj.chunks.memfd.lent:
+            if (obj.chunks is not None and obj.chunks.memfd is not None and obj.chunks.memfd.lent
+                    and not swap_lent):
                 # The memfd was lent: the kernel may read it for any handle of the inode, or
                 # an application have it mapped, past the handle that got it. They must keep
                 # seeing this file, so the bytes go into it, in place (as a write would).
@@ -601,7 +608,10 @@ class Store:
             self.tiers.unpin(obj)
 
     async def flush(self, fh: int) -> None:
-        self.observe(self._handle(fh).node)   # a kernel writer's close: its size, seen
+        node = self._handle(fh).node
+        self.observe(node)   # a kernel writer's close: its size, seen
+        self._bound_kernel_writes(node)
+        self._kernel_refusal(node)
         if self.tiers.write_through:
             await self._persist(fh, "write-through")
 
@@ -614,6 +624,7 @@ class Store:
     async def _persist(self, fh: int, why: str) -> None:
         node = self._handle(fh).node
         self.observe(node)
+        self._kernel_refusal(node)
         obj = node.obj
         if obj.dirty and self.tiers.nvme is not None:
             async with obj.content_lock():
@@ -711,13 +722,16 @@ class Store:
             why = "not a new, empty file"
         elif node.mode & (stat.S_ISUID | stat.S_ISGID):
             why = "set-ID bits, which a write must clear"
-        elif not self.tiers.room_for_kernel_writes(KERNEL_WRITE_ROOM):
+        elif not self.tiers.room_for_kernel_writes(min(KERNEL_WRITE_ROOM,
+                                                       self.tiers.dram.capacity // 4)):
             why = "DRAM tier full"
         if why is not None:
             raise FsError(errno.ENODATA, f"no backing: write through the daemon ({why})")
         memfd = self.tiers.memfd_of(obj, 0, spare=False)
         fd = memfd.open_readwrite()
         obj.kernel_writer = handle.fh
+        self.kernel_writers[node.ino] = node
+        self._kernel_writers_changed.set()
         obj.kernel_seen = _seen(memfd.fd)
         handle.backed = True
         obj.backed += 1
@@ -729,8 +743,8 @@ class Store:
         mapped and counted in the tier. Called wherever the size or content is used, so
         nothing works on a stale view; costs one fstat, and nothing for other files."""
         obj = node.obj
-        if obj is None or obj.kernel_writer is None:
-            return
+        if obj is None or obj.kernel_writer is None or obj.chunks is None:
+            return   # (a refused writer's object is gone from DRAM: _bound_kernel_writes)
         seen = _seen(obj.chunks.memfd.fd)
         if seen != obj.kernel_seen:
             obj.kernel_seen = seen
@@ -744,21 +758,90 @@ class Store:
         count = chunk_count(size)
         if len(obj.chunks) < count:
             obj.chunks.extend([None] * (count - len(obj.chunks)))
+        elif len(obj.chunks) > count:   # cut (_bound_kernel_writes)
+            dropped = obj.chunks[count:]
+            del obj.chunks[count:]
+            self.tiers.give_chunks(obj, dropped)
         self.tiers.adopt_windows(obj.chunks, [i for i in range(count) if obj.chunks[i] is None])
         self.tiers.resize_dirty(node, size)
         self.logical_bytes += size - node.size
         node.size = size
         node.mtime_ns = node.ctime_ns = mtime_ns
 
-    def _kernel_writes_end(self, node: Inode) -> None:
-        """The kernel writer's last handle goes: its final size and bytes are taken in, and
-        counted as changed even if they look the same (a write within the same timestamp
-        tick as the last look changes neither size nor mtime)."""
+    @staticmethod
+    def _kernel_refusal(node: Inode) -> None:
+        """A kernel writer stopped for its size or a full tier: its close says why."""
+        refusal = node.obj.kernel_refused if node.obj is not None else None
+        if refusal is not None:
+            raise FsError(*refusal)
+
+    def _stop_kernel_writes(self, node: Inode) -> bool:
+        """The kernel writer's own zero-copy STORE: the new content goes into fresh chunks
+        (page-locked ahead for a GPU's copy engines, where the kernel writer's memfd is not)
+        instead of being copied into the memfd a second time. The memfd is sealed against
+        further writes first, so a write(2) on that handle after the STORE fails (EPERM)
+        instead of landing in memory nobody reads. False where it cannot be sealed."""
         obj = node.obj
+        try:
+            obj.chunks.memfd.seal_writes()
+        except OSError as e:
+            log.info("inode %d: kernel writer's memfd not sealed (%s): STORE copies in place",
+                     node.ino, e)
+            return False
+        self._kernel_writes_end(node)
+        return True
+
+    def _kernel_writes_end(self, node: Inode) -> None:
+        """The kernel writer's handle goes: its final size and bytes are taken in. A write
+        after the last look changed the mtime even within one clock tick (tmpfs takes
+        fine-grained timestamps once they were looked at: multigrain timestamps, 6.13+), so
+        an unchanged (size, mtime) means unchanged bytes: an fsync'ed file stays persisted."""
         self.observe(node)
-        obj.kernel_writer = None
-        self.tiers.begin_modify(node)
-        self.tiers.fit_memfd(obj)
+        node.obj.kernel_writer = None
+        self.kernel_writers.pop(node.ino, None)
+        self.tiers.fit_memfd(node.obj)
+
+    async def watch_kernel_writes(self, interval: float = KERNEL_WRITE_WATCH_S) -> None:
+        """Looks at every kernel writer's memfd every `interval` while there are any (no
+        request tells the daemon of their writes): their chunks are counted as they grow,
+        and a file past the size a file here may have, or a DRAM tier full beyond what can
+        be evicted, stops its memfd from growing (writes then fail: EPERM from the kernel)
+        and its close fails with EFBIG or ENOSPC."""
+        while True:
+            if not self.kernel_writers:
+                self._kernel_writers_changed = trio.Event()
+                await self._kernel_writers_changed.wait()
+            await trio.sleep(interval)
+            for node in list(self.kernel_writers.values()):
+                self.observe(node)
+                self._bound_kernel_writes(node)
+
+    def _bound_kernel_writes(self, node: Inode) -> None:
+        obj = node.obj
+        if obj.kernel_refused is not None or obj.kernel_writer is None:
+            return
+        if node.size > self.max_file_size:
+            refusal = (errno.EFBIG, f"a file here holds at most {self.max_file_size} bytes (the "
+                                    f"NVMe tier's segment size): it was written past that")
+        elif self.tiers.dram.used_bytes > self.tiers.dram.capacity:
+            refusal = (errno.ENOSPC, "the DRAM tier is full: nothing more could be evicted")
+        else:
+            return
+        memfd = obj.chunks.memfd
+        try:
+            if node.size > self.max_file_size:   # cut at the limit, as a refused write would
+                memfd.resize(self.max_file_size)
+            memfd.seal_growth()
+        except OSError as e:
+            log.warning("inode %d: could not stop its kernel writer (%s)", node.ino, e)
+            return
+        obj.kernel_refused = refusal
+        log.info("inode %d: its writer's kernel writes refused: %s", node.ino, refusal[1])
+        self.kernel_writers.pop(node.ino, None)
+        # Writes past this point fail: what the file holds is not what its writer wrote.
+        # Its names go now (never partial bytes under a name), as when a write hostd
+        # answered early fails (`discard`); the writer's close says why.
+        self.remove_object(node, refusal[1])
 
     def reference(self, ino: int) -> None:
         self.kernel_refs[ino] = self.kernel_refs.get(ino, 0) + 1

@@ -57,10 +57,11 @@ class Passthrough:
         without a backing asks too: the cache gives a new file's memfd for the kernel to
         write directly (no request per write), else nothing, without a round trip."""
         reading = flags & os.O_ACCMODE == os.O_RDONLY and not flags & os.O_TRUNC
-        if not self.negotiated():
+        writing = flags & os.O_ACCMODE != os.O_RDONLY
+        if not (reading or writing or ino in self.inodes) or not self.negotiated():
             return
         given = None
-        if reading or ino not in self.inodes:
+        if reading or (writing and ino not in self.inodes):
             given = await self._backing_of(cache, fh)
         fd, file = None, None
         if given is not None:
@@ -71,7 +72,7 @@ class Passthrough:
                 self._warn("fd", "the cache's backing fd: %s", e)
                 os.close(fd)
                 fd = None
-        self._register(ino, fh, fd, file, writing=not reading)
+        self._register(ino, fh, fd, file, writing=writing)
 
     def released(self, fh: int) -> None:
         """The kernel released `fh`: its fd goes, and the inode's backing id with its last

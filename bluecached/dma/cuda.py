@@ -160,6 +160,11 @@ class CudaContext:
                 return
             self._pinned.add(address)
 
+    def pin_ahead(self, chunk) -> None:
+        """Page-locks a store chunk before any copy needs it (a worker thread's job)."""
+        self._current()
+        self._pin(chunk)
+
     def unpin(self, chunk) -> None:
         """Called before the DRAM pool unmaps a chunk that a copy may have pinned."""
         address = _address(chunk)

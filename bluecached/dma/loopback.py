@@ -90,6 +90,13 @@ class LoopbackEngine(DmaEngine):
                                          f"allocation of {size} bytes")
         return Region(length, "cuda_ipc", (cuda, base, base + offset), owner)
 
+    def prepare_host_memory(self, chunk) -> None:
+        """A chunk was mapped ahead of need (blocking: map_ahead's worker thread): once CUDA
+        regions are in use, it is page-locked now, so that a copy never pays
+        cuMemHostRegister on the request's path."""
+        if self._cuda is not None:
+            self._cuda.pin_ahead(chunk)
+
     def forget_host_memory(self, chunk) -> None:
         """The DRAM pool is about to unmap `chunk`: drop a CUDA page-lock on it, if any."""
         if self._cuda is not None:

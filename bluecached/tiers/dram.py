@@ -16,6 +16,7 @@ chunk is written and shrinks only where nothing touches the cut pages (Tiers.fit
 
 import contextlib
 import ctypes
+import fcntl
 import logging
 import mmap
 import os
@@ -65,7 +66,7 @@ class Memfd:
     def __init__(self, size: int = 0):
         # CLOEXEC: hostd gets it only through the `backing` op, never by inheritance. No
         # seals: the file grows and shrinks with the object.
-        self.fd = os.memfd_create("bluecache-object", os.MFD_CLOEXEC)
+        self.fd = os.memfd_create("bluecache-object", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         self.size = self.length = 0
         self.ahead: dict[int, mmap.mmap] = {}
         self.lent = False
@@ -117,6 +118,16 @@ class Memfd:
         self.lent = True
         return os.open(f"/proc/self/fd/{self.fd}", os.O_RDONLY | os.O_CLOEXEC)
 
+    def seal_growth(self) -> None:
+        """The file never grows again: a write past its end fails (EPERM) whoever makes it."""
+        fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_GROW)
+
+    def seal_writes(self) -> None:
+        """No more writes to the file through any fd (a writer's kernel's included: EPERM),
+        nor growing or shrinking it; mappings made before keep working."""
+        fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS,
+                    _F_SEAL_FUTURE_WRITE | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SHRINK)
+
     def open_readwrite(self) -> int:
         """A new read-write open of the file, for a writer's kernel to write it directly."""
         self.lent = True
@@ -159,6 +170,7 @@ _libc.mmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_
 _libc.mmap.restype = ctypes.c_void_p
 _MAP_FAILED = ctypes.c_void_p(-1).value
 _MAP_FIXED = 0x10   # linux/mman.h (Python's mmap module does not export it)
+_F_SEAL_FUTURE_WRITE = 0x10   # linux/fcntl.h, 5.1+ (nor does fcntl)
 
 
 def _window_past_eof(fd: int, offset: int) -> mmap.mmap:
@@ -196,7 +208,7 @@ class Chunks(list):
 
 
 class DramPool:
-    def __init__(self, capacity: int, before_unmap=None):
+    def __init__(self, capacity: int, before_unmap=None, after_map=None):
         self.capacity = capacity - capacity % CHUNK_SIZE
         memory = physical_memory()
         if self.capacity > memory:
@@ -209,8 +221,11 @@ class DramPool:
         self._freed: list[Memfd] = []    # freed objects' memfds, for map_ahead to zero
         self.ahead_chunks = 0            # map_ahead's budget: what may wait mapped ahead
         self._in_use = 0
-        # Told before a chunk is unmapped (a DMA engine may hold a registration on it).
+        # Told before a chunk is unmapped (a DMA engine may hold a registration on it), and
+        # after a chunk is mapped ahead, in map_ahead's worker thread (the engine may register
+        # it then, off any request's path).
         self.before_unmap = before_unmap
+        self.after_map = after_map
         self._taken = trio.Event()   # set by take(): map_ahead tops the spares up
         self.last_take = -1e9        # time.monotonic() of the last take
 
@@ -329,11 +344,12 @@ async def map_ahead(pool: DramPool, ahead_bytes: int) -> None:
     while True:
         while pool._freed:
             freed = pool._freed.pop()
-            await trio.to_thread.run_sync(zero_windows, freed)
+            await trio.to_thread.run_sync(zero_windows, freed, pool.after_map)
             pool.add_spare(freed)
         while (missing := min(pool.missing_chunks(), ahead - len(pool._free))) > 0:
             pool.add_spare(await trio.to_thread.run_sync(populated_memfd,
-                                                         min(SPARE_CHUNKS, missing)))
+                                                         min(SPARE_CHUNKS, missing),
+                                                         pool.after_map))
         pool._taken = trio.Event()
         await pool._taken.wait()
         # Until takes pause. Polled, not woken by each take: a burst takes a chunk per 1 MiB
@@ -343,15 +359,17 @@ async def map_ahead(pool: DramPool, ahead_bytes: int) -> None:
             await trio.sleep(MAP_AHEAD_QUIET_S - quiet)
 
 
-def zero_windows(memfd: Memfd) -> None:
+def zero_windows(memfd: Memfd, after_map=None) -> None:
     """A freed object's memfd made a spare (blocking: a worker thread's job): its windows
     zeroed in place, a memory-speed copy instead of a page fault per 4 KiB."""
     for chunk in memfd.ahead.values():
         chunk[:] = _ZEROS
+        if after_map is not None:
+            after_map(chunk)
     memfd.length = 0
 
 
-def populated_memfd(count: int) -> Memfd:
+def populated_memfd(count: int, after_map=None) -> Memfd:
     """A spare memfd of `count` chunks whose pages the kernel has already supplied and mapped
     (blocking: a worker thread's job): a first write to fresh memory otherwise takes 256 page
     faults per chunk on the request's path."""
@@ -361,4 +379,6 @@ def populated_memfd(count: int) -> Memfd:
     for index in range(count):
         memfd.ahead[index] = mmap.mmap(memfd.fd, CHUNK_SIZE, mmap.MAP_SHARED | mmap.MAP_POPULATE,
                                        offset=index * CHUNK_SIZE)
+        if after_map is not None:
+            after_map(memfd.ahead[index])
     return memfd

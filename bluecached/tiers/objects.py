@@ -37,6 +37,7 @@ class StoredObject:
                            # (Store.backing): size and bytes are the memfd's, seen by
                            # Store.observe; None otherwise
         "kernel_seen",     # (size, mtime_ns) of the memfd when last observed
+        "kernel_refused",  # (errno, why): the kernel writer's memfd was stopped from growing
     )
 
     def __init__(self):
@@ -60,6 +61,7 @@ class StoredObject:
         self.arrival = None
         self.kernel_writer: int | None = None
         self.kernel_seen = (0, 0)
+        self.kernel_refused: tuple[int, str] | None = None
 
     def content_lock(self) -> trio.Lock:
         if self.lock is None:

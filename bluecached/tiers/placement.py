@@ -256,7 +256,10 @@ class Tiers:
             # The writer's kernel sets the size (Store.observe): grow only, never cut what it
             # wrote since; a truncation resizes it itself (Store._truncate).
             if memfd.size < memfd.length:
-                memfd.grow_to(memfd.length)
+                try:
+                    memfd.grow_to(memfd.length)
+                except OSError as e:   # sealed: Store._bound_kernel_writes stopped it
+                    raise FsError(errno.ENOSPC, f"the file cannot grow: {e.strerror}") from None
             return
         if memfd.size < memfd.length:
             memfd.resize(memfd.length)

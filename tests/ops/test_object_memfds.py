@@ -71,7 +71,7 @@ def test_no_backing_unless_complete_in_dram(harness):
         # being written: by this handle, or by another
         writer = await h.store.create(parent, b"w", 0o644, 0, 0, os.O_WRONLY | os.O_CREAT)
         await h.write(writer.fh, 0, pattern("w", MiB))
-        assert "writing" in _enodata(h, writer.fh)
+        assert "not a new, empty file" in _enodata(h, writer.fh)   # a writer's: see below
         reader = await _open(h, "/w")
         assert "writing" in _enodata(h, reader.fh)
         h.store.release(writer.fh)
@@ -79,7 +79,7 @@ def test_no_backing_unless_complete_in_dram(harness):
         os.close(fd)
         h.store.release(reader.fh)
         rw = await _open(h, "/w", os.O_RDWR)
-        assert "writing" in _enodata(h, rw.fh)
+        assert "not a new, empty file" in _enodata(h, rw.fh)
         h.store.release(rw.fh)
         # a writer's temporary
         await h.put("/t.tmp", pattern("t", MiB))
@@ -412,3 +412,95 @@ def test_a_freed_memfd_is_reused_zeroed_within_the_prefault_budget(harness):
             nursery.cancel_scope.cancel()
     h.serve(main)
     h.check_consistency()
+
+
+# -- a writer's kernel writing the memfd (writer_backing) ------------------------------------
+
+def test_a_new_files_writer_gets_its_memfd_and_the_store_sees_what_it_wrote(harness):
+    h = harness(dram=32 * MiB)
+    data = pattern("k", 3 * MiB + 5)
+
+    async def main():
+        parent = h.store.root().ino
+        w = await h.store.create(parent, b"k.tmp", 0o644, 0, 0, os.O_WRONLY | os.O_CREAT)
+        fd, size = h.store.backing(w.fh)
+        assert size == 0
+        try:
+            assert os.pwrite(fd, data[:MiB], 0) == MiB          # as the writer's kernel would
+            assert h.store.getattr(w.node.ino).size == MiB
+            # a second open meanwhile: no memfd of its own, and reads what the kernel wrote
+            other = await _open(h, "/k.tmp", os.O_RDWR)
+            assert "open more than once" in _enodata(h, other.fh)
+            assert await h.read(other.fh, 0, MiB) == data[:MiB]
+            h.store.release(other.fh)
+            assert os.pwrite(fd, data[MiB:], MiB) == len(data) - MiB
+            await h.store.flush(w.fh)
+            assert w.node.size == len(data)
+        finally:
+            os.close(fd)
+        h.store.release(w.fh)
+        assert h.store.tiers.dram.used_bytes == 4 * MiB   # its chunks, counted at release
+        h.store.rename(parent, b"k.tmp", parent, b"k")
+        await h.settle()   # written behind: the CRCs are of what the kernel wrote
+        node = h.store.ns.resolve("/k")
+        assert not node.obj.dirty and node.obj.extent is not None
+        h.store.tiers.drop_dram(node)
+        assert await h.get("/k") == data   # read back from NVMe, every chunk's CRC checked
+    h.serve(main)
+    h.check_consistency()
+
+
+def test_a_kernel_writer_past_a_files_limit_is_stopped_and_its_close_says_efbig(harness):
+    h = harness(dram=256 * MiB, segment=8 * MiB)
+
+    async def main():
+        parent = h.store.root().ino
+        w = await h.store.create(parent, b"big", 0o644, 0, 0, os.O_WRONLY | os.O_CREAT)
+        fd, _ = h.store.backing(w.fh)
+        try:
+            os.pwrite(fd, pattern("big", 9 * MiB), 0)      # past the 8 MiB a file may hold
+            with pytest.raises(FsError) as e:
+                await h.store.flush(w.fh)
+            assert e.value.errno == errno.EFBIG
+            with pytest.raises(OSError) as e:              # it grows no more
+                os.pwrite(fd, b"x", 8 * MiB)
+            assert e.value.errno == errno.EPERM
+            with pytest.raises(FsError) as e:              # never partial bytes under a name
+                h.store.ns.resolve("/big")
+            assert e.value.errno == errno.ENOENT
+        finally:
+            os.close(fd)
+        h.store.release(w.fh)
+    h.serve(main)
+    h.check_consistency()
+
+
+def test_the_watch_stops_a_kernel_writer_that_fills_the_dram_tier(harness):
+    """No request tells the daemon of a kernel writer's writes: the watch looks, and stops
+    the memfd growing once the tier is full beyond what eviction can free (all is open)."""
+    h = harness(dram=32 * MiB, nvme=0)
+
+    async def main():
+        parent = h.store.root().ino
+        w = await h.store.create(parent, b"huge", 0o644, 0, 0, os.O_WRONLY | os.O_CREAT)
+        fd, _ = h.store.backing(w.fh)
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(h.store.watch_kernel_writes, 0.001)
+                with trio.fail_after(30):
+                    offset = 0
+                    while True:
+                        try:
+                            offset += os.pwrite(fd, bytes(MiB), offset)
+                        except PermissionError:
+                            break
+                        await trio.sleep(0.002)
+                nursery.cancel_scope.cancel()
+            with pytest.raises(FsError) as e:
+                await h.store.flush(w.fh)
+            assert e.value.errno == errno.ENOSPC
+            assert h.store.tiers.dram.used_bytes <= 32 * MiB   # what it held, given back
+        finally:
+            os.close(fd)
+        h.store.release(w.fh)
+    h.serve(main)
