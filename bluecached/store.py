@@ -119,7 +119,8 @@ class Store:
             if obj.dirty and node.parent is not None:
                 async with obj.content_lock():
                     try:
-                        await self.tiers.writeback(node)
+                        self.observe(node, chunks=True)   # a kernel writer still open
+                        await self.tiers.writeback(node, kernel_writer_seen=True)
                     except Exception:   # the rest still deserve their chance
                         log.exception("persisting inode %d failed", node.ino)
         lost = [n for n in self.tiers.lru_dram.values() if n.obj.dirty and n.parent is not None]
@@ -414,7 +415,7 @@ class Store:
 
     async def read(self, fh: int, offset: int, length: int, region, region_offset: int) -> int:
         node = self._handle(fh).node
-        self.observe(node)
+        self.observe(node, chunks=True)
         obj = node.obj
         if offset < 0 or length < 0:
             raise FsError(errno.EINVAL, "negative offset or length")
@@ -596,7 +597,7 @@ class Store:
     async def checksum(self, fh: int) -> tuple[int, Inode]:
         """CRC32C of the whole content (QUERY), and the inode it describes."""
         node = self._handle(fh).node
-        self.observe(node)
+        self.observe(node, chunks=True)
         obj = node.obj
         async with obj.content_lock():
             if obj.chunks is None:
@@ -623,12 +624,14 @@ class Store:
 
     async def _persist(self, fh: int, why: str) -> None:
         node = self._handle(fh).node
-        self.observe(node)
+        self.observe(node, chunks=True)
         self._kernel_refusal(node)
         obj = node.obj
         if obj.dirty and self.tiers.nvme is not None:
             async with obj.content_lock():
-                if not await self.tiers.writeback(node) and obj.dirty and node.parent is not None:
+                self.observe(node, chunks=True)   # what the kernel wrote, all mapped
+                if (not await self.tiers.writeback(node, kernel_writer_seen=True) and obj.dirty
+                        and node.parent is not None):
                     raise FsError(errno.EIO, f"{why}: writing the file to NVMe failed")
 
     def backing(self, fh: int) -> tuple[int, int]:
@@ -730,6 +733,7 @@ class Store:
         memfd = self.tiers.memfd_of(obj, 0, spare=False)
         fd = memfd.open_readwrite()
         obj.kernel_writer = handle.fh
+        self.tiers.note_foreground_write()
         self.kernel_writers[node.ino] = node
         self._kernel_writers_changed.set()
         obj.kernel_seen = _seen(memfd.fd)
@@ -737,11 +741,13 @@ class Store:
         obj.backed += 1
         return fd, 0
 
-    def observe(self, node: Inode) -> None:
+    def observe(self, node: Inode, chunks: bool = False) -> None:
         """What a writer's kernel wrote to the memfd since last seen, taken in: the size and
-        mtime are the memfd's, the content changed (dirty, a new version), and its chunks are
-        mapped and counted in the tier. Called wherever the size or content is used, so
-        nothing works on a stale view; costs one fstat, and nothing for other files."""
+        mtime are the memfd's and the content changed (dirty, a new version); with `chunks`
+        (for whatever reads the content here) its chunks are mapped and counted in the tier
+        too, which the watch and the writer's release do anyway. Called wherever the size or
+        content is used, so nothing works on a stale view; one fstat, nothing for other
+        files."""
         obj = node.obj
         if obj is None or obj.kernel_writer is None or obj.chunks is None:
             return   # (a refused writer's object is gone from DRAM: _bound_kernel_writes)
@@ -749,6 +755,10 @@ class Store:
         if seen != obj.kernel_seen:
             obj.kernel_seen = seen
             self._take_kernel_writes(node, *seen)
+        if chunks:
+            # Until then a chunk the kernel wrote is None here, which reads as a hole.
+            self.tiers.adopt_windows(obj.chunks,
+                                     [i for i, c in enumerate(obj.chunks) if c is None])
 
     def _take_kernel_writes(self, node: Inode, size: int, mtime_ns: int) -> None:
         obj = node.obj
@@ -762,11 +772,24 @@ class Store:
             dropped = obj.chunks[count:]
             del obj.chunks[count:]
             self.tiers.give_chunks(obj, dropped)
-        self.tiers.adopt_windows(obj.chunks, [i for i in range(count) if obj.chunks[i] is None])
         self.tiers.resize_dirty(node, size)
         self.logical_bytes += size - node.size
         node.size = size
         node.mtime_ns = node.ctime_ns = mtime_ns
+        self.tiers.note_foreground_write()   # write-behind waits for a pause, as for writes
+
+    def _over_dram(self, node: Inode) -> bool:
+        """Whether the DRAM tier is over its capacity with every kernel writer's chunks
+        counted, once what can be evicted has gone (mapping them, which evicts, only when it
+        may be over)."""
+        writers = [node, *(n for n in self.kernel_writers.values() if n is not node)]
+        pending = sum(1 for n in writers if n.obj.chunks is not None
+                      for c in n.obj.chunks if c is None) * CHUNK_SIZE
+        if self.tiers.dram.used_bytes + pending <= self.tiers.dram.capacity:
+            return False
+        for n in writers:
+            self.observe(n, chunks=True)
+        return self.tiers.dram.used_bytes > self.tiers.dram.capacity
 
     @staticmethod
     def _kernel_refusal(node: Inode) -> None:
@@ -796,7 +819,7 @@ class Store:
         after the last look changed the mtime even within one clock tick (tmpfs takes
         fine-grained timestamps once they were looked at: multigrain timestamps, 6.13+), so
         an unchanged (size, mtime) means unchanged bytes: an fsync'ed file stays persisted."""
-        self.observe(node)
+        self.observe(node, chunks=True)
         node.obj.kernel_writer = None
         self.kernel_writers.pop(node.ino, None)
         self.tiers.fit_memfd(node.obj)
@@ -813,7 +836,7 @@ class Store:
                 await self._kernel_writers_changed.wait()
             await trio.sleep(interval)
             for node in list(self.kernel_writers.values()):
-                self.observe(node)
+                self.observe(node, chunks=True)
                 self._bound_kernel_writes(node)
 
     def _bound_kernel_writes(self, node: Inode) -> None:
@@ -823,7 +846,7 @@ class Store:
         if node.size > self.max_file_size:
             refusal = (errno.EFBIG, f"a file here holds at most {self.max_file_size} bytes (the "
                                     f"NVMe tier's segment size): it was written past that")
-        elif self.tiers.dram.used_bytes > self.tiers.dram.capacity:
+        elif self._over_dram(node):
             refusal = (errno.ENOSPC, "the DRAM tier is full: nothing more could be evicted")
         else:
             return

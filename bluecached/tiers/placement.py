@@ -535,11 +535,16 @@ class Tiers:
             return True
         return False
 
-    async def writeback(self, node: Inode) -> bool:
-        """Writes an object's DRAM content to NVMe. False if it changed meanwhile or no space."""
+    async def writeback(self, node: Inode, kernel_writer_seen: bool = False) -> bool:
+        """Writes an object's DRAM content to NVMe. False if it changed meanwhile or no space.
+        An object a writer's kernel is writing is left for its release (which queues it):
+        its chunks are mapped only as they are looked at (Store.observe), and a chunk not
+        mapped yet would be written as a hole; fsync looks first (`kernel_writer_seen`)."""
         obj = node.obj
         if not obj.dirty or obj.chunks is None or node.parent is None:
             return False  # an unlinked file needs no persisting
+        if obj.kernel_writer is not None and not kernel_writer_seen:
+            return False
         version, size = obj.version, node.size
         chunks = list(obj.chunks[: chunk_count(size)])
         chunks += [None] * (chunk_count(size) - len(chunks))
