@@ -349,6 +349,10 @@ class DaemonLink:
         f = self._files.get(fh)
         if f is None:
             raise RemoteError(errno.EBADF, f"no open file {fh}")
+        if f.generation != self.generation and f.kernel_writes:
+            # Its kernel wrote the old daemon's memfd, which the new one never had.
+            raise RemoteError(errno.EIO, f"bluecached restarted while inode {f.ino} was being "
+                                         "written: its bytes are lost, write it again")
         if f.generation != self.generation:  # the daemon restarted since the open
             r = await self.call("open", ino=f.ino, flags=f.flags)
             f.daemon_fh, f.generation = r["fh"], self.generation
@@ -641,10 +645,6 @@ class DaemonLink:
             await self.inflight.settled(f.ino)
             if f.error is not None:
                 raise RemoteError(f.error.errno, str(f.error))
-            if f.kernel_writes and f.generation != self.generation:
-                # Its kernel went on writing the old daemon's memfd, which nobody will read.
-                raise RemoteError(errno.EIO, f"bluecached restarted while inode {f.ino} was "
-                                             "being written: its bytes are lost, write it again")
         await self.call("flush", host_fh=fh)
 
     async def fsync(self, fh) -> None:
