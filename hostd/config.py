@@ -110,10 +110,11 @@ HOSTD = Schema("HostdConfig", (
                             "for writing. 0: none."),
         "passthrough": Field(as_flag(), True,
                              "Let the kernel read a complete cached file straight from the "
-                             "memory bluecached keeps it in (FUSE passthrough, kernel 6.9+, "
-                             "embedded mode): no read of it reaches hostd. Where that cannot "
-                             "be (a file being written, not in DRAM, DPU mode) reads go "
-                             "through hostd as with false."),
+                             "memory bluecached keeps it in, and write a new file straight "
+                             "into it (FUSE passthrough, kernel 6.9+, embedded mode): no read "
+                             "or write of it reaches hostd. Where that cannot be (a file "
+                             "being written by another, not in DRAM, DPU mode) reads and "
+                             "writes go through hostd as with false."),
         "max_pages": Field(as_count(minimum=0, maximum=65535), 0,
                            "Largest FUSE read request the kernel may send, in 4 KiB pages; 0 "
                            "keeps libfuse's 256 (1 MiB, the size of hostd's staging slots and "
