@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import trio
 
-from . import crc
+from . import crc, xattrs
 from .namespace import ROOT_INO, FsError, Inode, Namespace
 from .tiers import index
 from .tiers.dram import CHUNK_SIZE, Chunks
@@ -945,8 +945,6 @@ class Store:
         node, replaced = self.ns.rename(parent, name, new_parent, new_name, flags)
         if self.remote is not None and node.obj is not None:
             self.remote.forget_copy(node, old_key, renamed=True)
-            if not node.obj.writers:
-                self.remote.admit(node, "written")
         if replaced is not None:
             if replaced.is_dir:
                 self.tiers.log(index.drop_record(replaced.ino))
@@ -960,6 +958,10 @@ class Store:
                         self.ns.path_of(self.ns.get(new_parent)) + b"/" + new_name))
                 self._unlinked(replaced)
         self._renamed(node)
+        if self.remote is not None and node.obj is not None and not node.obj.writers:
+            # after _renamed: a temporary renamed to its final name (vLLM closes it first)
+            # is no longer one, and only then is it admitted
+            self.remote.admit(node, "written")
 
     def readdir(self, ino: int, offset: int, limit: int = 1024) -> list:
         return self.ns.readdir(ino, offset, limit)
@@ -977,6 +979,49 @@ class Store:
                 # inodes: no fixed table, so a total of 2^32 with those in use taken off (df -i)
                 "files": INODE_LIMIT, "ffree": INODE_LIMIT - len(self.ns.inodes),
                 "namemax": 255}
+
+    # -- extended attributes (the rules and limits: xattrs.py) -----------------------------
+
+    def getxattr(self, ino: int, name: bytes) -> bytes:
+        return xattrs.get(self.ns.get(ino), name)
+
+    def listxattr(self, ino: int) -> list[bytes]:
+        return xattrs.names(self.ns.get(ino))
+
+    async def setxattr(self, ino: int, name: bytes, value: bytes, flags: int = 0) -> None:
+        node = self.ns.get(ino)
+        xattrs.check_name(name)
+        await self._xattrs_change(node, lambda: xattrs.set_(node, name, value, flags))
+
+    async def removexattr(self, ino: int, name: bytes) -> None:
+        node = self.ns.get(ino)
+        xattrs.check_name(name)
+        await self._xattrs_change(node, lambda: xattrs.remove(node, name))
+
+    async def _xattrs_change(self, node: Inode, change) -> None:
+        """Applies `change` to the inode's table and records it where the inode is recorded:
+        a journaled inode (a directory, a file whose content is on NVMe) gets the whole new
+        table in one record; a file not yet written behind carries it in its FILE record.
+        A file in the remote tier is uploaded again with the new table (its copy there goes
+        first: another host sees no attributes but the current ones)."""
+        obj = node.obj
+        if obj is not None and obj.remote_info is not None:
+            async with obj.content_lock():   # only remote: fetched first, its copy goes below
+                if obj.remote_info is not None:
+                    await self._load(node)
+        old = node.xattrs
+        change()
+        node.ctime_ns = self.clock()
+        if self._journaled(node) and not node.is_meta:
+            try:
+                self.tiers.log(index.xattrs_record(node))
+            except FsError:   # not recorded: not changed
+                node.xattrs = old
+                raise
+        if self.remote is not None and obj is not None and node.parent is not None:
+            self.remote.forget_copy(node, self._remote_key(node))
+            if not obj.writers:
+                self.remote.admit(node, "written")
 
     # -- operator commands -----------------------------------------------------------------
 
