@@ -67,6 +67,7 @@ class Store:
         self._kernel_writers_changed = trio.Event()
         self.logical_bytes = 0
         self.remote = None   # a RemoteTier when configured (compose.add_remote_tier sets it)
+        self.kv_events = None   # a KvEvents when kv_events.enabled (the daemon sets it)
         # An object lives in one NVMe extent, which never crosses a segment: a file larger than
         # a segment could never be written behind, so it is refused when it would grow past
         # one (EFBIG, as a file system refuses a file past its maximum size), not later.
@@ -224,6 +225,18 @@ class Store:
         self._unlinked(node)
         for parent, name in names or [(None, None)]:
             self.publish("removed", ino=node.ino, parent=parent, name=name, reason=reason)
+        for parent, name in names:
+            self._kv_event(parent, name, reason)
+
+    def _kv_event(self, parent: int, name: bytes, removed: str | None = None) -> None:
+        """KV events (kv_events.py) for a name a block file got or lost (`removed`: why)."""
+        if self.kv_events is None or not name.endswith(b".bin"):
+            return
+        path = self.ns.path_of(self.ns.inodes[parent]).rstrip(b"/") + b"/" + name
+        if removed is None:
+            self.kv_events.stored(path)
+        else:
+            self.kv_events.removed(path, removed)
 
     # -- namespace operations --------------------------------------------------------------
 
@@ -920,6 +933,8 @@ class Store:
     def unlink(self, parent: int, name: bytes) -> None:
         key = self._remote_key(self.ns.lookup(parent, name))
         node = self.ns.unlink(parent, name)
+        if node.obj is not None:
+            self._kv_event(parent, name, "deleted")
         if node.parent is not None:   # another name of it stays
             self._renamed(node)
             return
@@ -943,6 +958,9 @@ class Store:
                flags: int = 0) -> None:
         old_key = self._remote_key(self.ns.lookup(parent, name))
         node, replaced = self.ns.rename(parent, name, new_parent, new_name, flags)
+        if node.obj is not None:   # readable under the new name now; the old one is gone
+            self._kv_event(parent, name, "renamed")
+            self._kv_event(new_parent, new_name)
         if self.remote is not None and node.obj is not None:
             self.remote.forget_copy(node, old_key, renamed=True)
         if replaced is not None:
