@@ -17,9 +17,11 @@ wait for the reconnection up to `request_timeout`; the others fail with EIO, sin
 dead daemon applied them is unknown.
 """
 
+import contextvars
 import ctypes
 import errno
 import logging
+import math
 import mmap
 import os
 import sys
@@ -49,7 +51,11 @@ _READ_TAKES_BUFFER = tuple(int(x) for x in pyfuse3.__version__.split(".")[:2]) >
 
 _IDEMPOTENT = {"lookup", "getattr", "read", "write", "write_batch", "readdir", "statfs", "open",
                "flush", "fsync", "ping", "forget", "discard", "readlink"}
+_IDEMPOTENT |= {"getxattr", "listxattr"}   # reads of extended attributes
 MAX_BATCH = 64   # staged writes per write_batch message
+# The deadline of the DaemonLink.call running in this task (calls made inside it share it).
+_CALL_DEADLINE: contextvars.ContextVar[float | None] = contextvars.ContextVar(
+    "bluecache_call_deadline", default=None)
 
 
 def _writable(flags: int) -> bool:
@@ -86,12 +92,23 @@ class Staging:
         self._free = list(range(slots))
         self._available = trio.Semaphore(slots)
         self.region_id = 0
+        self.wait_limit: float | None = None   # take() gives up after this (DaemonLink sets it)
+        # Slots named by requests bluecached may still serve (hold), and those of them given
+        # back meanwhile: they return to the free list only once it cannot (release).
+        self._holds: dict[int, int] = {}
+        self._parked: set[int] = set()
 
     async def take(self) -> int:
         slot = self.take_nowait()
         if slot < 0:
-            await self._available.acquire()
-            slot = self._free.pop()
+            # Every slot is in use, or held for a daemon that does not answer: a request
+            # waits no longer for one than it would wait for the daemon.
+            with trio.move_on_after(self.wait_limit if self.wait_limit else math.inf):
+                await self._available.acquire()
+                return self._free.pop()
+            raise RemoteError(errno.ETIMEDOUT, f"no staging slot free within "
+                                               f"{self.wait_limit:g}s ({len(self._holds)} held "
+                                               "for requests bluecached has not answered)")
         return slot
 
     def take_nowait(self) -> int:
@@ -103,8 +120,29 @@ class Staging:
         return self._free.pop()
 
     def give(self, slot: int) -> None:
+        if slot in self._holds:
+            self._parked.add(slot)
+            return
         self._free.append(slot)
         self._available.release()
+
+    def hold(self, slots) -> None:
+        """`slots` are named by a request sent to bluecached whose caller stopped waiting
+        before the reply (it timed out, or the link was declared lost): a stopped or slow
+        daemon may still move bytes into or out of them when it runs again. Given back, they
+        are not reused until `release`."""
+        for slot in slots:
+            self._holds[slot] = self._holds.get(slot, 0) + 1
+
+    def release(self, slots) -> None:
+        """That request's reply came after all, or the daemon that had it is gone."""
+        for slot in slots:
+            left = self._holds.pop(slot, 0) - 1
+            if left > 0:
+                self._holds[slot] = left
+            elif slot in self._parked:
+                self._parked.discard(slot)
+                self.give(slot)
 
     def free(self) -> int:
         return len(self._free)
@@ -169,6 +207,11 @@ class DaemonLink:
         self._staging_export = None
         self.staging = Staging(slots)
         self.request_timeout = request_timeout
+        self.staging.wait_limit = request_timeout
+        self._held_for: dict[int, list[int]] = {}   # request id -> staging slots it named
+        self._staging_regions: set[int] = set()     # every id the staging region had
+        self._undropped: set[int] = set()   # files to discard (_drop_file) not yet dropped
+        client.on_abandoned, client.on_late = self._hold_slots, self._release_slots
         self.bytes_copied = 0           # payload bytes hostd itself copied (POSIX path only)
         self.generation = 0             # bumps at every (re)connection to a daemon
         self.incarnation = None
@@ -217,7 +260,8 @@ class DaemonLink:
         if self.engine == "doca":
             await self._import_staging()
         elif self.regions_path is not None:
-            channel = await trio.to_thread.run_sync(RegionChannel, self.regions_path)
+            channel = await trio.to_thread.run_sync(RegionChannel, self.regions_path,
+                                                    self.request_timeout)
             try:
                 region_id = await trio.to_thread.run_sync(channel.register, self.staging.region)
             except BaseException:
@@ -227,6 +271,14 @@ class DaemonLink:
                 self._channel.close()
             self._channel, self.staging.region_id = channel, region_id
         restarted = self.incarnation is not None and hello["incarnation"] != self.incarnation
+        if restarted:   # the daemon that had unanswered requests is gone with them
+            for rid in list(self._held_for):
+                self._release_slots(rid)
+        self._staging_regions.add(self.staging.region_id)
+        for ino in sorted(self._undropped):   # before any other request of this session
+            await self.client.call("discard", timeout=2, ino=ino)
+            self._undropped.discard(ino)
+            log.info("dropped inode %d, whose write failed while bluecached was away", ino)
         self.incarnation, self.session = hello["incarnation"], hello["session"]
         self.generation += 1
         self._lost = trio.Event()
@@ -262,6 +314,23 @@ class DaemonLink:
                                    address=export.address, length=export.length)
         self.staging.region_id = r["region"]
 
+    def _hold_slots(self, rid: int, op: str, args: dict) -> None:
+        """The client's on_abandoned: request `rid` was sent and its caller stopped waiting.
+        The staging slots it names stay out of use until it is answered (Staging.hold)."""
+        if args.get("region") not in self._staging_regions:
+            return   # not staging: a zero-copy transfer names the caller's own memory
+        offsets = args.get("region_offsets") or [args.get("region_offset")]
+        slots = [(o - SLOT_HEAD) // SLOT_STRIDE for o in offsets if isinstance(o, int)]
+        if slots:
+            self._held_for[rid] = slots
+            self.staging.hold(slots)
+
+    def _release_slots(self, rid: int) -> None:
+        """The client's on_late: `rid` was answered after all, or can no longer be."""
+        slots = self._held_for.pop(rid, None)
+        if slots:
+            self.staging.release(slots)
+
     def _mark_lost(self, why: str) -> None:
         if self._connected.is_set():
             log.warning("lost bluecached (%s); requests wait up to %gs", why,
@@ -293,8 +362,20 @@ class DaemonLink:
                    with_fd: bool = False, **args):
         """A request, waiting out a daemon restart for those safe to repeat. With `host_fh`
         (`host_fhs`), the daemon's handle (`fhs`) is looked up at each attempt (a restart
-        re-opens it)."""
+        re-opens it). It fails within `request_timeout`: a call made inside another (the
+        re-open of a handle) shares the outer one's deadline."""
         deadline = trio.current_time() + self.request_timeout
+        outer = _CALL_DEADLINE.get()
+        if outer is not None and outer < deadline:
+            deadline = outer
+        token = _CALL_DEADLINE.set(deadline)
+        try:
+            return await self._call_by(deadline, op, host_fh, host_fhs, with_fd, **args)
+        finally:
+            _CALL_DEADLINE.reset(token)
+
+    async def _call_by(self, deadline: float, op: str, host_fh: int | None,
+                       host_fhs: list | None, with_fd: bool, **args):
         while True:
             remaining = deadline - trio.current_time()
             if remaining <= 0:
@@ -634,10 +715,16 @@ class DaemonLink:
         f.error = e
         log.warning("write to inode %d failed after it was answered (%s): the file is "
                     "dropped, its close reports the error", f.ino, e)
+        if not self._connected.is_set():   # sent first thing once it is back (_establish)
+            self._undropped.add(f.ino)
+            return
         try:
             await self.call("discard", ino=f.ino)
-        except RemoteError as e2:   # a daemon that is gone took the file with it
-            log.info("could not drop inode %d: %s", f.ino, e2)
+        except RemoteError as e2:
+            # A stopped daemon still has the file, and may serve a rename of it when it runs
+            # again: sent again first thing on reconnection (a restarted one, harmlessly).
+            log.info("could not drop inode %d yet: %s", f.ino, e2)
+            self._undropped.add(f.ino)
 
     async def flush(self, fh) -> None:
         f = self._files.get(fh)
@@ -698,6 +785,30 @@ class DaemonLink:
 
     async def statfs(self) -> dict:
         return await self.call("statfs")
+
+    # -- extended attributes (a daemon without them: EOPNOTSUPP, as before they existed) ---
+
+    def _xattrs_supported(self) -> None:
+        if not getattr(self, "daemon_xattrs", False):
+            raise RemoteError(errno.EOPNOTSUPP, "bluecached does not keep extended attributes")
+
+    async def setxattr(self, ino, name, value, flags=0) -> None:
+        self._xattrs_supported()
+        args = {"flags": flags} if flags else {}
+        await self.call("setxattr", ino=ino, name=name, value=bytes(value), **args)
+
+    async def getxattr(self, ino, name) -> bytes:
+        self._xattrs_supported()
+        return (await self.call("getxattr", ino=ino, name=name))["value"]
+
+    async def listxattr(self, ino) -> list[bytes]:
+        self._xattrs_supported()
+        names = (await self.call("listxattr", ino=ino))["names"]
+        return names.split(b"\0")[:-1]
+
+    async def removexattr(self, ino, name) -> None:
+        self._xattrs_supported()
+        await self.call("removexattr", ino=ino, name=name)
 
     async def forget(self, counts) -> None:
         for start in range(0, len(counts), 4096):

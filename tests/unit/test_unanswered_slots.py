@@ -1,0 +1,154 @@
+"""A request hostd stopped waiting for (bluecached stopped or too slow: daemon.request_timeout)
+may still be served when the daemon runs again, and then it moves bytes into or out of the
+staging slot it names. That slot must not carry anything else until then: reused, a late read
+would overwrite a write staged in it since, which would then be stored as that file's bytes.
+And a request waits for a free slot no longer than for the daemon."""
+
+import errno
+import socket
+
+import pytest
+import trio
+
+from bluecached.wire import protocol
+from bluecached.wire.client import RemoteError
+from bluecached.wire.local_transport import LocalClient
+from hostd.link import DaemonLink
+
+
+class SilentDaemon:
+    """Answers hello at once; holds every other request until `answer_held`."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self.held: list[tuple[int, str]] = []
+        self.seen: list[tuple[str, dict]] = []
+        self.silent = True
+        self.conn = None
+        self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self.listener.bind(path)
+        self.listener.listen()
+        self.listener.setblocking(False)
+
+    async def serve(self, *, task_status=trio.TASK_STATUS_IGNORED):
+        task_status.started()
+        with trio.socket.from_stdlib_socket(self.listener) as listener:
+            conn, _ = await listener.accept()
+        self.conn = conn
+        with conn:
+            while True:
+                frame = await conn.recv(1 << 20)
+                if not frame:
+                    return
+                request = protocol.decode_request(frame, 1 << 20)
+                self.seen.append((request.op, request.args))
+                if request.op != "hello" and not self.silent:
+                    await conn.send(protocol.encode_reply(request.id, {"length": 0,
+                                                                       "failed": []}))
+                elif request.op == "hello":
+                    await conn.send(protocol.encode_reply(request.id, {
+                        "engine": "loopback", "incarnation": "one", "session": 1,
+                        "server": "silent"}))
+                else:
+                    self.held.append((request.id, request.op))
+
+    def hang_up(self):
+        """As a daemon that exits: its end of the connection closes."""
+        self.conn.shutdown(socket.SHUT_RDWR)
+
+    async def answer_held(self):
+        for rid, _op in self.held:
+            await self.conn.send(protocol.encode_reply(rid, {"length": 0, "failed": []}))
+        self.held.clear()
+
+
+def test_a_slot_named_by_an_unanswered_read_is_not_reused_until_the_reply(tmp_path):
+    path = str(tmp_path / "control.seq")
+
+    async def main():
+        daemon = SilentDaemon(path)
+        client = LocalClient(path)
+        link = DaemonLink(client, None, slots=2, request_timeout=0.3, read_ahead=0)
+        async with trio.open_nursery() as nursery:
+            await nursery.start(daemon.serve)
+            await nursery.start(client.run)
+            await link.connect(timeout=5)
+            fh = link._add_file(5, 0, daemon_fh=9, size=1 << 20)
+            with pytest.raises(RemoteError) as e:
+                await link.read(fh, 0, 4096)            # the daemon holds it: timed out
+            assert e.value.errno == errno.ETIMEDOUT
+            assert [op for _, op in daemon.held] == ["read"]
+            assert link.staging.free() == 1             # its slot stays out of use...
+            other = await link.staging.take()
+            with pytest.raises(RemoteError) as e:       # ... and a request waits for a
+                await link.staging.take()               # slot only as long as for the daemon
+            assert e.value.errno == errno.ETIMEDOUT
+            link.staging.give(other)
+            await daemon.answer_held()                  # the late reply: the slot is free
+            with trio.fail_after(5):
+                while link.staging.free() < 2:  # noqa: ASYNC110 (a count, no event)
+                    await trio.sleep(0.01)
+            nursery.cancel_scope.cancel()
+
+    trio.run(main, strict_exception_groups=True)
+
+
+def test_slots_held_for_a_daemon_that_went_away_come_back(tmp_path):
+    path = str(tmp_path / "control.seq")
+
+    async def main():
+        daemon = SilentDaemon(path)
+        client = LocalClient(path)
+        link = DaemonLink(client, None, slots=2, request_timeout=0.3, read_ahead=0)
+        async with trio.open_nursery() as nursery:
+            await nursery.start(daemon.serve)
+            await nursery.start(client.run)
+            await link.connect(timeout=5)
+            fh = link._add_file(5, 0, daemon_fh=9, size=1 << 20)
+            with pytest.raises(RemoteError):
+                await link.read(fh, 0, 4096)
+            assert link.staging.free() == 1
+            daemon.hang_up()                            # it died: nothing can touch the slot
+            with trio.fail_after(5):
+                while link.staging.free() < 2:  # noqa: ASYNC110 (a count, no event)
+                    await trio.sleep(0.01)
+            nursery.cancel_scope.cancel()
+
+    trio.run(main, strict_exception_groups=True)
+
+
+def test_a_file_whose_staged_write_failed_is_dropped_first_thing_when_the_daemon_is_back(
+        tmp_path):
+    """With write_ack: staged the writer was answered before the daemon failed to answer: the
+    file must go (no reader may get it without those bytes). The daemon cannot be told while
+    it is stopped; it is told before any other request once it answers again, so that a
+    rename waiting meanwhile cannot make the file visible."""
+    path = str(tmp_path / "control.seq")
+
+    async def main():
+        daemon = SilentDaemon(path)
+        client = LocalClient(path)
+        link = DaemonLink(client, None, slots=4, request_timeout=0.3, ack_staged=True,
+                          read_ahead=0)
+        async with trio.open_nursery() as nursery:
+            await nursery.start(daemon.serve)
+            await nursery.start(client.run)
+            await link.connect(timeout=5)
+            await nursery.start(link.send_writes)
+            fh = link._add_file(7, 0o1, daemon_fh=9, size=0)   # open for writing
+            assert await link.write(fh, 0, b"x" * 4096) == 4096   # answered once staged
+            with pytest.raises(RemoteError):
+                await link.flush(fh)            # the daemon never took it: close says so
+            assert link._undropped == {7}
+            assert [op for op, _ in daemon.seen] == ["hello", "write_batch"]
+            daemon.silent = False
+            await daemon.answer_held()
+            nursery.start_soon(link.watch)      # reconnects: hello, then the discard
+            with trio.fail_after(10):
+                while link._undropped:  # noqa: ASYNC110 (a set, no event)
+                    await trio.sleep(0.01)
+            after = [(op, args) for op, args in daemon.seen[2:] if op != "hello"]
+            assert after[0] == ("discard", {"ino": 7})
+            nursery.cancel_scope.cancel()
+
+    trio.run(main, strict_exception_groups=True)
