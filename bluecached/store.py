@@ -624,7 +624,8 @@ class Store:
     async def flush(self, fh: int) -> None:
         node = self._handle(fh).node
         self.observe(node)   # a kernel writer's close: its size, seen
-        self._bound_kernel_writes(node)
+        if node.obj is not None and node.obj.kernel_writer is not None:
+            self._bound_kernel_writes()
         self._kernel_refusal(node)
         if self.tiers.write_through:
             await self._persist(fh, "write-through")
@@ -791,19 +792,6 @@ class Store:
         node.mtime_ns = node.ctime_ns = mtime_ns
         self.tiers.note_foreground_write()   # write-behind waits for a pause, as for writes
 
-    def _over_dram(self, node: Inode) -> bool:
-        """Whether the DRAM tier is over its capacity with every kernel writer's chunks
-        counted, once what can be evicted has gone (mapping them, which evicts, only when it
-        may be over)."""
-        writers = [node, *(n for n in self.kernel_writers.values() if n is not node)]
-        pending = sum(1 for n in writers if n.obj.chunks is not None
-                      for c in n.obj.chunks if c is None) * CHUNK_SIZE
-        if self.tiers.dram.used_bytes + pending <= self.tiers.dram.capacity:
-            return False
-        for n in writers:
-            self.observe(n, chunks=True)
-        return self.tiers.dram.used_bytes > self.tiers.dram.capacity
-
     @staticmethod
     def _kernel_refusal(node: Inode) -> None:
         """A kernel writer stopped for its size or a full tier: its close says why."""
@@ -841,8 +829,8 @@ class Store:
         """Looks at every kernel writer's memfd every `interval` while there are any (no
         request tells the daemon of their writes): their chunks are counted as they grow,
         and a file past the size a file here may have, or a DRAM tier full beyond what can
-        be evicted, stops its memfd from growing (writes then fail: EPERM from the kernel)
-        and its close fails with EFBIG or ENOSPC."""
+        be evicted, stops a memfd from growing (writes then fail: EPERM from the kernel)
+        and its close fails with EFBIG or ENOSPC (_bound_kernel_writes)."""
         while True:
             if not self.kernel_writers:
                 self._kernel_writers_changed = trio.Event()
@@ -850,19 +838,43 @@ class Store:
             await trio.sleep(interval)
             for node in list(self.kernel_writers.values()):
                 self.observe(node, chunks=True)
-                self._bound_kernel_writes(node)
+            self._bound_kernel_writes()
 
-    def _bound_kernel_writes(self, node: Inode) -> None:
+    def _bound_kernel_writes(self) -> None:
+        """Stops the kernel writers that went too far: each file past the size a file here
+        may have, then, while DRAM is over its capacity with what can be evicted gone, the
+        writers that wrote last (not one that finished before the tier filled)."""
+        for node in list(self.kernel_writers.values()):
+            if node.size > self.max_file_size:
+                self._refuse_kernel_writer(node, errno.EFBIG, (
+                    f"a file here holds at most {self.max_file_size} bytes (the NVMe tier's "
+                    "segment size): it was written past that"))
+        if not self._over_dram():
+            return
+        latest_first = sorted(self.kernel_writers.values(),
+                              key=lambda n: n.obj.kernel_seen[1], reverse=True)
+        for node in latest_first:
+            self._refuse_kernel_writer(node, errno.ENOSPC,
+                                       "the DRAM tier is full: nothing more could be evicted")
+            if self.tiers.dram.used_bytes <= self.tiers.dram.capacity:
+                break
+
+    def _over_dram(self) -> bool:
+        """Whether the DRAM tier is over its capacity with every kernel writer's chunks
+        counted, once what can be evicted has gone (mapping them, which evicts, only when it
+        may be over)."""
+        writers = list(self.kernel_writers.values())
+        for n in writers:
+            self.observe(n)   # their sizes now: one fstat each
+        pending = sum(1 for n in writers for c in n.obj.chunks if c is None) * CHUNK_SIZE
+        if self.tiers.dram.used_bytes + pending <= self.tiers.dram.capacity:
+            return False
+        for n in writers:
+            self.observe(n, chunks=True)
+        return self.tiers.dram.used_bytes > self.tiers.dram.capacity
+
+    def _refuse_kernel_writer(self, node: Inode, err: int, why: str) -> None:
         obj = node.obj
-        if obj.kernel_refused is not None or obj.kernel_writer is None:
-            return
-        if node.size > self.max_file_size:
-            refusal = (errno.EFBIG, f"a file here holds at most {self.max_file_size} bytes (the "
-                                    f"NVMe tier's segment size): it was written past that")
-        elif self._over_dram(node):
-            refusal = (errno.ENOSPC, "the DRAM tier is full: nothing more could be evicted")
-        else:
-            return
         memfd = obj.chunks.memfd
         try:
             if node.size > self.max_file_size:   # cut at the limit, as a refused write would
@@ -871,13 +883,13 @@ class Store:
         except OSError as e:
             log.warning("inode %d: could not stop its kernel writer (%s)", node.ino, e)
             return
-        obj.kernel_refused = refusal
-        log.info("inode %d: its writer's kernel writes refused: %s", node.ino, refusal[1])
+        obj.kernel_refused = (err, why)
+        log.info("inode %d: its writer's kernel writes refused: %s", node.ino, why)
         self.kernel_writers.pop(node.ino, None)
         # Writes past this point fail: what the file holds is not what its writer wrote.
         # Its names go now (never partial bytes under a name), as when a write hostd
         # answered early fails (`discard`); the writer's close says why.
-        self.remove_object(node, refusal[1])
+        self.remove_object(node, why)
 
     def reference(self, ino: int) -> None:
         self.kernel_refs[ino] = self.kernel_refs.get(ino, 0) + 1

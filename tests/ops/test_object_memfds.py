@@ -504,3 +504,34 @@ def test_the_watch_stops_a_kernel_writer_that_fills_the_dram_tier(harness):
             os.close(fd)
         h.store.release(w.fh)
     h.serve(main)
+
+
+def test_a_full_dram_tier_stops_the_writer_that_wrote_last(harness):
+    """Two kernel writers in a tier that holds one: the one still writing when the tier
+    fills is stopped, not the one that finished first and is only still open."""
+    h = harness(dram=8 * MiB, nvme=0)
+
+    async def main():
+        parent = h.store.root().ino
+        held = await h.store.create(parent, b"held", 0o644, 0, 0, os.O_WRONLY | os.O_CREAT)
+        held_fd, _ = h.store.backing(held.fh)
+        late = await h.store.create(parent, b"late", 0o644, 0, 0, os.O_WRONLY | os.O_CREAT)
+        late_fd, _ = h.store.backing(late.fh)
+        try:
+            os.pwrite(held_fd, pattern("held", 6 * MiB), 0)
+            await trio.sleep(0.01)   # a later mtime for the late writer's bytes
+            os.pwrite(late_fd, pattern("late", 6 * MiB), 0)
+            with pytest.raises(FsError) as e:
+                await h.store.flush(late.fh)
+            assert e.value.errno == errno.ENOSPC
+            await h.store.flush(held.fh)   # the one that wrote first keeps its file
+        finally:
+            os.close(held_fd)
+            os.close(late_fd)
+        h.store.release(late.fh)
+        h.store.release(held.fh)
+        assert await h.get("/held") == pattern("held", 6 * MiB)
+        with pytest.raises(FsError):
+            h.store.ns.resolve("/late")
+    h.serve(main)
+    h.check_consistency()
