@@ -283,8 +283,6 @@ class ControlServer:
             # removed the object; ENOSPC): the open stands, and its reads and writes meet
             # what they meet without passthrough.
             return result
-        if handle.writable:   # the writer's own attributes (its O_TRUNC, say) stay true
-            result["attr"] = handle.node.attrs()
         return WithFd({**result, "backing_size": size}, fd)
 
     async def _transfer(self, method, fh, offset, length, region, region_offset) -> dict:

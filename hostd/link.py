@@ -489,7 +489,7 @@ class DaemonLink:
         else:
             r = await self.call("create", **args)
         attr = Attr.from_wire(r["attr"])
-        return self._opened(attr.ino, flags, r, fd), attr
+        return self._opened(attr, flags, r, fd), attr
 
     async def open(self, ino, flags):
         await self.inflight.settled(ino)
@@ -498,7 +498,8 @@ class DaemonLink:
             r, fd = await self.call("open", ino=ino, flags=flags, backing=True, with_fd=True)
         else:
             r = await self.call("open", ino=ino, flags=flags)
-        return self._opened(ino, flags, r, fd), Attr.from_wire(r["attr"])
+        attr = Attr.from_wire(r["attr"])
+        return self._opened(attr, flags, r, fd), attr
 
     def _backed_open(self, flags: int) -> bool:
         """Whether an open asks for the memfd with it: a reader's, or a truncating writer's
@@ -507,8 +508,8 @@ class DaemonLink:
             return self.daemon_opens_backed
         return bool(flags & os.O_TRUNC) and self.daemon_backs_writers
 
-    def _opened(self, ino: int, flags: int, r: dict, fd: int | None) -> int:
-        fh = self._add_file(ino, flags, r["fh"], Attr.from_wire(r["attr"]).size)
+    def _opened(self, attr: Attr, flags: int, r: dict, fd: int | None) -> int:
+        fh = self._add_file(attr.ino, flags, r["fh"], attr.size)
         if fd is not None:
             self._backings[fh] = (fd, r["backing_size"])   # for backing(fh), asked next
             self._files[fh].kernel_writes = _writable(flags)

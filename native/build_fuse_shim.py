@@ -56,7 +56,7 @@ int bc_backing_close(int backing_id);
 #define BC_PT_KERNEL_READS 0
 #define BC_PT_DAEMON_IO 1
 #define BC_PT_KERNEL_WRITES 2
-int bc_passthrough_set(uint64_t fh, int backing_id, int direct_io);
+int bc_passthrough_set(uint64_t fh, int backing_id, int mode);
 void bc_passthrough_clear(uint64_t fh);
 unsigned long long bc_passthrough_opens(void);
 unsigned long long bc_backings_opened_count(void);

@@ -395,14 +395,14 @@ _Static_assert(sizeof(struct bc_backing_map) == 16, "fuse_backing_map is 16 byte
  * (the reader thread reads, the event loop and pyfuse3's notify thread write). */
 #define BC_PENDING_MAX 1024
 #define BC_BACKED_MAX 1024
-/* Who does a backed handle's I/O (bc_passthrough_set's `direct_io`; build_fuse_shim.py too). */
+/* Who does a backed handle's I/O (bc_passthrough_set's `mode`; build_fuse_shim.py too). */
 #define BC_PT_KERNEL_READS 0  /* read-only: the kernel reads the backing file */
 #define BC_PT_DAEMON_IO 1     /* FOPEN_DIRECT_IO kept: reads and writes reach the server */
 #define BC_PT_KERNEL_WRITES 2 /* the kernel reads and writes the backing file; FLUSH kept */
 struct bc_backed {
     uint64_t fh;
     int32_t backing_id;
-    int direct_io; /* BC_PT_* */
+    int mode; /* BC_PT_* */
     int used;
 };
 static pthread_mutex_t bc_pt_lock = PTHREAD_MUTEX_INITIALIZER;
@@ -507,9 +507,9 @@ static int bc_patch_open(struct bc_open_out *out)
             continue;
         out->open_flags |= BC_FOPEN_PASSTHROUGH;
         out->open_flags &= ~BC_FOPEN_KEEP_CACHE;
-        if (b->direct_io != BC_PT_DAEMON_IO)
+        if (b->mode != BC_PT_DAEMON_IO)
             out->open_flags &= ~BC_FOPEN_DIRECT_IO;
-        if (b->direct_io == BC_PT_KERNEL_READS) {
+        if (b->mode == BC_PT_KERNEL_READS) {
             /* A read-only handle: its close(2) need not wait for a FLUSH round trip through
              * both daemons; flush has nothing to do for it, and RELEASE still comes,
              * asynchronously. A kernel writer keeps its FLUSH: the cache takes in the size
@@ -672,17 +672,17 @@ int bc_backing_close(int backing_id)
     return 0;
 }
 
-/* The OPEN reply for handle `fh` carries FOPEN_PASSTHROUGH and `backing_id`; `direct_io` says
+/* The OPEN reply for handle `fh` carries FOPEN_PASSTHROUGH and `backing_id`; `mode` says
  * who does its reads and writes (BC_PT_*: the kernel's reads, the daemon's I/O with
  * FOPEN_DIRECT_IO kept, or the kernel's reads and writes). Call before the open's reply; 0,
  * or -1 if full. */
-int bc_passthrough_set(uint64_t fh, int backing_id, int direct_io)
+int bc_passthrough_set(uint64_t fh, int backing_id, int mode)
 {
     int res = -1;
     pthread_mutex_lock(&bc_pt_lock);
     for (int i = 0; i < BC_BACKED_MAX; i++) {
         if (!bc_backed[i].used || bc_backed[i].fh == fh) {
-            bc_backed[i] = (struct bc_backed){fh, backing_id, direct_io, 1};
+            bc_backed[i] = (struct bc_backed){fh, backing_id, mode, 1};
             res = 0;
             break;
         }

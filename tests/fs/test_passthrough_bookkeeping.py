@@ -21,7 +21,7 @@ class FakeShimLib:
         self.next_id = 1
         self.open_ids: dict[int, tuple[int, int]] = {}   # backing id: the file it names
         self.closed: list[int] = []
-        self.replies: dict[int, tuple[int, int]] = {}   # fh: (backing id, direct_io)
+        self.replies: dict[int, tuple[int, int]] = {}   # fh: (backing id, BC_PT_* mode)
         self.refuse_open = 0
 
     def bc_passthrough_state(self):
@@ -39,8 +39,8 @@ class FakeShimLib:
         self.closed.append(backing_id)
         return 0 if self.open_ids.pop(backing_id, None) else -errno.ENOENT
 
-    def bc_passthrough_set(self, fh, backing_id, direct_io):
-        self.replies[fh] = (backing_id, direct_io)
+    def bc_passthrough_set(self, fh, backing_id, mode):
+        self.replies[fh] = (backing_id, mode)
         return 0
 
     def bc_passthrough_clear(self, fh):
@@ -76,8 +76,8 @@ def _open_fds() -> int:
 def test_a_read_only_open_gets_the_files_memfd_as_backing(kernel, ops, cache, shim):
     ino = kernel.write_file(ROOT, b"f", b"kv block")
     fh = _open(kernel, ino)
-    backing_id, direct_io = shim.lib.replies[fh]
-    assert direct_io == 0   # reads go to the backing file
+    backing_id, mode = shim.lib.replies[fh]
+    assert mode == 0   # reads go to the backing file
     assert shim.lib.open_ids[backing_id] == ops.passthrough.inodes[ino].file
     memfd = cache.nodes[ino].memfd
     assert os.pread(memfd, 100, 0) == b"kv block"
