@@ -460,31 +460,35 @@ class RemoteTier:
             obj.uploading = trio.Event()
         started = time.perf_counter()
         try:
-            crcs = await self.link.call(self.s3.put, key, body, CHUNK_SIZE, known, table,
-                                        self.sidecar_key(key), limiter=self._upload_limiter)
-        except S3Error as e:
-            self.link.failed(e)
-            if e.unreachable and obj.version == version and node.parent is not None:
-                self._queue.appendleft((node, version))   # keep it for when S3 is back
-                self._queued_inos.add(node.ino)
-            else:
-                self.stats.upload_failures += 1
-            return
+            try:
+                crcs = await self.link.call(self.s3.put, key, body, CHUNK_SIZE, known, table,
+                                            self.sidecar_key(key), limiter=self._upload_limiter)
+            except S3Error as e:
+                self.link.failed(e)
+                if e.unreachable and obj.version == version and node.parent is not None:
+                    self._queue.appendleft((node, version))   # keep it for when S3 is back
+                    self._queued_inos.add(node.ino)
+                else:
+                    self.stats.upload_failures += 1
+                return
+            finally:
+                self.stats.upload_seconds += time.perf_counter() - started
+            self.link.answered()
+            self.stats.uploads += 1
+            self.stats.upload_bytes += node.size
+            self._negative.pop(key, None)
+            if table and xattrs_metadata(table, object_metadata(node_size, crcs, CHUNK_SIZE))[1]:
+                self._sidecars.add(key)   # its attributes went to a sidecar: it goes with it
+            if obj.version != version or self.key_of(node) != key or node.xattrs is not table:
+                # Renamed, unlinked, rewritten or its attributes changed meanwhile. Deleted while
+                # this upload still holds `uploading`: the next upload of the object (same key
+                # after a change of attributes) must not start before, or this deletes its copy.
+                await self._delete(key)
+                return
         finally:
-            self.stats.upload_seconds += time.perf_counter() - started
             tiers.unpin(obj)
             done, obj.uploading = obj.uploading, None
             done.set()
-        self.link.answered()
-        self.stats.uploads += 1
-        self.stats.upload_bytes += node.size
-        self._negative.pop(key, None)
-        if table and xattrs_metadata(table, object_metadata(node_size, crcs, CHUNK_SIZE))[1]:
-            self._sidecars.add(key)   # its attributes went to a sidecar: it goes with the object
-        if obj.version != version or self.key_of(node) != key or node.xattrs is not table:
-            # renamed, unlinked, rewritten or its attributes changed meanwhile
-            await self._delete(key)
-            return
         obj.remote_version = version
         if obj.persisted:
             tiers.log(index.remote_record(node.ino))

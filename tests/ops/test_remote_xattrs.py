@@ -5,6 +5,7 @@ missing or not its own is never served."""
 
 import errno
 import threading
+import time
 
 import pytest
 from test_remote import attach, find_path, serving, until
@@ -148,6 +149,13 @@ def test_an_upload_that_raced_a_change_of_attributes_is_replaced(harness, ceph, 
         return put(*args)
 
     ra.s3.put = held_put
+    delete = ra.s3.delete
+
+    def slow_delete(key):
+        time.sleep(0.5)   # the stale copy's delete comes late: it must not remove the new copy
+        return delete(key)
+
+    ra.s3.delete = slow_delete
 
     @serving(a)
     async def _():
