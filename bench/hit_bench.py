@@ -209,19 +209,7 @@ class Mount:
         return self
 
     def settle(self, timeout: float = 600) -> float:
-        """Waits until bluecached has written every stored file behind to NVMe: loads are
-        then measured as hits on blocks stored a while ago, not against the write-behind of
-        the burst just stored (on 2 cores that halves a read). Returns the seconds waited."""
-        t0 = time.monotonic()
-        client = self.daemon.client()
-        try:
-            while client.call("stats")["dirty_bytes"]:
-                if time.monotonic() - t0 > timeout:
-                    raise RuntimeError("write-behind did not finish")
-                time.sleep(0.05)
-        finally:
-            client.close()
-        return time.monotonic() - t0
+        return self.daemon.settle(timeout)
 
     def restart_daemon(self) -> None:
         """SIGTERM (dirty objects written behind, index checkpointed), start again: every

@@ -293,7 +293,11 @@ class ControlServer:
             self.regions.done(reg)
 
     async def op_read(self, session, **args) -> dict:
-        return await self._transfer(self.store.read, **args)
+        reply = await self._transfer(self.store.read, **args)
+        handle = self.store.handles.get(args["fh"])
+        if handle is not None:   # the size too: the ioctl's LOAD reports it (one round trip)
+            reply["size"] = handle.node.size
+        return reply
 
     async def _kill_suidgid(self, fh: int) -> None:
         """A write by a user without CAP_FSETID (FUSE_WRITE_KILL_SUIDGID, which hostd passes on)

@@ -138,6 +138,16 @@ HOSTD = Schema("HostdConfig", (
             "hostd. Aborted, the mount answers ENOTCONN until hostd is restarted (systemd "
             "does that once hostd exits). At least 3 x daemon.request_timeout."),
     }),
+    "zero_copy": Schema("ZeroCopyConfig", "The zero-copy ioctl (docs/ioctl.md).", {
+        "kept_regions": Field(as_count(minimum=0, maximum=4096), 16,
+                              "Client buffers (memfds, dma-bufs) kept registered with "
+                              "bluecached between requests, so a client that reuses its "
+                              "buffer pays the mapping once, not per request; 0: each request "
+                              "registers and releases its own. A freed buffer stays allocated "
+                              "while it is kept."),
+        "region_idle": Field(as_duration(minimum=0.1), "10s",
+                             "A kept buffer unused this long is released."),
+    }),
     "metrics": Schema("HostdMetricsConfig", "Prometheus metrics and health probes.", {
         "listen": Field(as_host_port(optional=True), "127.0.0.1:9465",
                         'HTTP endpoint "HOST:PORT" for /metrics, /healthz and /readyz (the '

@@ -190,7 +190,9 @@ async def run(cfg, path: Path | None, notifier, assignments: list[str] | None = 
             except RuntimeError as e:
                 raise StartupError(f"cannot mount {mountpoint}: {e}") from None
             if SHIM is not None:
-                collector.transfers = ZeroCopyTransfers(link)
+                collector.transfers = ZeroCopyTransfers(link, cfg.zero_copy.kept_regions,
+                                                        cfg.zero_copy.region_idle)
+                nursery.start_soon(collector.transfers.regions.run)
                 ioctls = IoctlDispatch(SHIM, counts.transfers(collector.transfers))
                 await nursery.start(ioctls.run)
                 log.info("zero-copy %s", ioctls.state())

@@ -18,11 +18,12 @@ import stat
 import trio
 
 from bluecached.dma import DmaError
-from bluecached.wire.client import RegionChannel, RemoteError
+from bluecached.wire.client import RemoteError
 from fusefs.errors import Refused
 
 from . import ioctl_abi as abi
 from .doca_export import DocaSetupError, ExportError, MappedFd
+from .region_cache import RegionCache
 
 log = logging.getLogger("hostd.ioctl")
 
@@ -92,9 +93,10 @@ class ZeroCopyTransfers:
 
     commands = frozenset({abi.IOC_STORE, abi.IOC_LOAD, abi.IOC_QUERY})
 
-    def __init__(self, link):
+    def __init__(self, link, kept_regions: int = 16, region_idle: float = 10.0):
         self.link = link
         self.zero_copy_bytes = 0
+        self.regions = RegionCache(link, kept_regions, region_idle)
 
     async def serve(self, cmd: int, fh: int, request: bytes, pid: int) -> bytes:
         try:
@@ -171,15 +173,28 @@ class ZeroCopyTransfers:
             return await self._move_doca(store, fh, fd, x, kind)
         if self.link.regions_path is None:
             raise Refused(errno.EOPNOTSUPP, "this engine cannot map host memfds")
-        # A connection of its own: the region dies with it, whatever happens here.
+        # The region stays registered for the next request with this memory (region_cache.py).
         # (bounded: a stopped daemon fails the transfer with EIO, as any request)
-        channel = await trio.to_thread.run_sync(RegionChannel, self.link.regions_path,
-                                                self.link.request_timeout)
-        try:
-            region = await trio.to_thread.run_sync(channel.register_fd, fd, span, kind)
-            return await self._move_region(store, fh, x, region, x.mem_offset)
-        finally:
-            channel.close()
+        for attempt in (1, 2):
+            entry = await self.regions.acquire(fd, span, kind)
+            try:
+                result = await self._move_region(store, fh, x, entry.id, x.mem_offset)
+            except RemoteError as e:
+                # Registered with a daemon that restarted before the request reached it: the
+                # new one knows no such region (EINVAL, before it moved anything). Once more.
+                lost = entry.generation != self.link.generation and e.errno == errno.EINVAL
+                with trio.CancelScope(shield=True):
+                    await self.regions.release(entry, failed=lost)
+                if lost and attempt == 1:
+                    continue
+                raise
+            except BaseException:
+                with trio.CancelScope(shield=True):
+                    await self.regions.release(entry)
+                raise
+            await self.regions.release(entry)
+            return result
+        raise AssertionError("unreachable")
 
     async def _move_and_release(self, store: bool, fh: int, x, region: int,
                                 region_offset: int) -> tuple[int, int]:
@@ -202,7 +217,9 @@ class ZeroCopyTransfers:
             return r["length"], r["size"]
         r = await self.link.call("read", host_fh=fh, offset=x.file_offset, length=x.length,
                                  region=region, region_offset=region_offset)
-        size = (await self.link.getattr(self.link.open_file(fh).ino)).size
+        size = r.get("size")   # a daemon older than the reply's size: one more round trip
+        if size is None:
+            size = (await self.link.getattr(self.link.open_file(fh).ino)).size
         return r["length"], size
 
     async def _move_cuda(self, store: bool, fh: int, x) -> tuple[int, int]:

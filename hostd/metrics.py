@@ -223,6 +223,15 @@ class HostdCollector:
                             "Bytes moved by zero-copy ioctls")
             metric.add_metric([], self.transfers.zero_copy_bytes)
             yield metric
+            metric = family("bluecache_hostd_zero_copy_regions_kept", "gauge",
+                            "Client buffers kept registered with bluecached between requests")
+            metric.add_metric([], len(self.transfers.regions))
+            yield metric
+            metric = family("bluecache_hostd_zero_copy_registrations", "counter",
+                            "Client buffers registered with bluecached (a kept one is not "
+                            "registered again)")
+            metric.add_metric([], self.transfers.regions.registrations)
+            yield metric
         if self.in_place is not None:
             metric = family("bluecache_hostd_writes_received", "counter",
                             "FUSE write requests by how hostd received their bytes", ["how"])

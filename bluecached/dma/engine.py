@@ -7,6 +7,7 @@ bytes between those and a region, and nothing else touches them.
 
 import errno
 import itertools
+import secrets
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 
@@ -83,7 +84,10 @@ class RegionTable:
     def __init__(self, engine: DmaEngine):
         self.engine = engine
         self._regions: dict[int, Region] = {}
-        self._ids = itertools.count(1)
+        # Ids start at random: a client holding an id from an earlier incarnation of the daemon
+        # (hostd keeps regions registered between requests) must not name a region of this
+        # one. 2**52 fits every client's integers (msgpack, a JSON double).
+        self._ids = itertools.count(secrets.randbelow(1 << 52) + 1)
 
     def __len__(self) -> int:
         return len(self._regions)

@@ -40,9 +40,14 @@ class Link:
             return True
 
 
+class KeptRegions(list):
+    registrations = 3
+
+
 class Transfers:
     commands = frozenset({abi.IOC_STORE, abi.IOC_LOAD, abi.IOC_QUERY})
     zero_copy_bytes = 0
+    regions = KeptRegions([1, 2])
 
     async def serve(self, cmd, fh, request, pid):
         if cmd == abi.IOC_LOAD:
@@ -85,6 +90,8 @@ def test_requests_bytes_errors_and_latency_are_counted():
     assert s[("bluecache_hostd_copied_bytes_total", ())] == 7
     assert s[("bluecache_hostd_staging_slots_free", ())] == 5
     assert s[("bluecache_hostd_daemon_connected", ())] == 1
+    assert s[("bluecache_hostd_zero_copy_regions_kept", ())] == 2
+    assert s[("bluecache_hostd_zero_copy_registrations_total", ())] == 3
 
 
 def test_in_place_writes_count_as_writes_when_answered():
