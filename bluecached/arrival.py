@@ -1,4 +1,5 @@
-"""An object's bytes on their way into DRAM from the remote tier, served as they are checked.
+"""An object's bytes on their way into DRAM from the remote tier or NVMe (tiers/promotion.py),
+served as they are checked.
 
 A fetch holds the object's content lock from start to end (writes, truncation and promotion
 wait for it), but readers do not take that lock while an arrival is attached: they wait only
@@ -17,7 +18,8 @@ from .namespace import FsError
 
 
 class Arrival:
-    def __init__(self, count: int):
+    def __init__(self, count: int, source: str = "remote tier"):
+        self.source = source              # where the bytes come from, for errors
         self.chunks: list | None = None   # the DRAM chunks, once taken
         self._ready = bytearray(count)    # 1: that chunk's bytes are in and checked
         self.complete = False             # every chunk is in: the object holds them now
@@ -61,7 +63,7 @@ class Arrival:
         """Until the object holds every chunk (EIO if the fetch failed)."""
         while not self.complete:
             if self.failed is not None:
-                raise FsError(errno.EIO, f"remote tier: {self.failed}")
+                raise FsError(errno.EIO, f"{self.source}: {self.failed}")
             await self._changed.wait()
 
     async def wait_for(self, index: int) -> bool:
@@ -69,7 +71,7 @@ class Arrival:
         failed: bytes that did not arrive checked are never served."""
         while True:
             if self.failed is not None:
-                raise FsError(errno.EIO, f"remote tier: {self.failed}")
+                raise FsError(errno.EIO, f"{self.source}: {self.failed}")
             if self.abandoned:
                 return False
             if self.chunks is not None and (self.complete or self._ready[index]):

@@ -262,6 +262,9 @@ class Daemon:
         for _ in range(WRITEBACK_WORKERS if tiers.nvme else 0):
             services.start_soon(tiers.writeback_worker)
         services.start_soon(tiers.evictor)
+        if tiers.nvme is not None and cfg.tiers.nvme.hit_path != "promote":
+            tiers.promotions.configure(cfg.tiers.nvme.hit_path)
+            await services.start(tiers.promotions.run)
         if cfg.tiers.dram.prefault:
             services.start_soon(map_ahead, tiers.dram, cfg.tiers.dram.prefault)
         if self.store.remote is not None:

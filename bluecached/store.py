@@ -16,9 +16,10 @@ import trio
 from . import crc, xattrs
 from .namespace import ROOT_INO, FsError, Inode, Namespace
 from .tiers import index
-from .tiers.dram import CHUNK_SIZE, Chunks
+from .tiers.dram import CHUNK_SIZE, PAGE_SIZE, Chunks
 from .tiers.objects import StoredObject, chunk_count, views
 from .tiers.placement import Tiers
+from .tiers.promotion import read_checked
 
 log = logging.getLogger("bluecached.store")
 
@@ -424,6 +425,8 @@ class Store:
             raise FsError(errno.ENOENT, "the file was removed and its data evicted")
         if flags & os.O_TRUNC and _writable(flags):
             await self._truncate(node, 0)
+        elif obj.read_from_nvme and obj.chunks is None and obj.arrival is None:
+            self.tiers.promotions.start(node)   # hit again: into DRAM with it, streaming
         return self._open(node, flags, session)
 
     async def read(self, fh: int, offset: int, length: int, region, region_offset: int) -> int:
@@ -432,11 +435,19 @@ class Store:
         obj = node.obj
         if offset < 0 or length < 0:
             raise FsError(errno.EINVAL, "negative offset or length")
-        arrival = obj.arrival   # a prefetch in flight
-        if arrival is None and obj.chunks is None and obj.remote_info is not None:
-            arrival = self.remote.start_fetch(node)
+        arrival = obj.arrival   # a prefetch or promotion in flight
         served = None
-        if arrival is not None:
+        if arrival is None and obj.chunks is None:
+            if offset >= node.size:
+                served = 0   # at the end: nothing to bring in for that
+            elif obj.remote_info is not None:
+                arrival = self.remote.start_fetch(node)
+            else:
+                served = await self._read_from_nvme(node, offset, length, region,
+                                                    region_offset)
+                if served is None:
+                    arrival = self.tiers.promotions.start(node)   # None: promoted below
+        if served is None and arrival is not None:
             served = await self._read_arriving(node, arrival, offset, length, region,
                                                region_offset)
         if served is None:
@@ -465,6 +476,49 @@ class Store:
                                              region, region_offset)
         finally:
             self.tiers.unpin(obj)
+        return length
+
+    async def _read_from_nvme(self, node: Inode, offset: int, length: int, region,
+                              region_offset: int) -> int | None:
+        """A hit on an object only on NVMe, read from the disk straight into the reply's
+        memory and checked chunk by chunk before it is answered (tiers/promotion.py): the
+        object stays on NVMe (obj.read_from_nvme: its next open promotes it). None where
+        that cannot be: a read not of whole chunks, memory the engine does not map here,
+        the direct path turned off; or the object changed while it was read."""
+        obj = node.obj
+        size = node.size
+        length = max(0, min(length, size - offset))
+        end = offset + length
+        if (self.tiers.promotions.mode != "direct" or not length or obj.extent is None
+                or offset % CHUNK_SIZE or region_offset % PAGE_SIZE
+                or (end % CHUNK_SIZE and end != size)):
+            return None
+        dst = self.engine.host_view(region, region_offset, length)
+        if dst is None:
+            return None
+        extent, crcs, version = obj.extent, obj.crcs, obj.version
+        self.tiers.pin(obj)   # no eviction frees the extent meanwhile
+        try:
+            ok = await trio.to_thread.run_sync(read_checked, self.tiers.nvme, extent, crcs,
+                                               size, offset // CHUNK_SIZE, dst)
+        except OSError as e:
+            log.error("reading inode %d from NVMe failed: %s", node.ino, e)
+            raise FsError(errno.EIO, f"NVMe read failed: {e}") from None
+        finally:
+            self.tiers.unpin(obj)
+            dst.release()
+        if not ok:
+            if obj.extent is not extent or obj.version != version or obj.chunks is not None:
+                return None   # it changed under the read: the usual way
+            self.tiers.stats.checksum_failures += 1
+            log.error("checksum mismatch in inode %d (%s) at offset %d: object removed",
+                      node.ino, node.name, offset)
+            self.tiers.drop_corrupt(node)
+            raise FsError(errno.EIO, "checksum mismatch: object removed")
+        if not obj.read_from_nvme:
+            obj.read_from_nvme = True
+            self.tiers.stats.nvme.hits += 1
+        self.tiers.stats.nvme.bytes_out += length
         return length
 
     async def _read_arriving(self, node: Inode, arrival, offset: int, length: int, region,
@@ -687,18 +741,25 @@ class Store:
         return fd, node.size
 
     async def backing_loaded(self, fh: int) -> tuple[int, int]:
-        """As backing(), but a read-only handle's object that is only on NVMe is promoted
-        first (read with its CRC32Cs checked, as any read would): an NVMe hit then costs one
-        promotion and the kernel reads the memfd, instead of 1 MiB requests through both
-        daemons. Objects in the remote tier are left to reads, which are served chunk by
-        chunk as the fetch arrives."""
+        """As backing(), for a read-only handle whose object is only on NVMe, by
+        tiers.nvme.hit_path: direct (the default), no backing (ENODATA): its reads go through
+        hostd and are read from the disk straight into the reply (_read_from_nvme); an open
+        of it after such a hit promotes it (Store.open). stream: its promotion starts here,
+        no backing; reads are served as its chunks come in checked, opens after it read the
+        memfd by passthrough. promote: promoted whole first, and this open reads the memfd.
+        Objects in the remote tier are left to reads, which are served chunk by chunk as the
+        fetch arrives."""
         handle = self._handle(fh)
         node = handle.node
         obj = node.obj
         if (obj.chunks is None and obj.remote_info is None and obj.arrival is None
                 and not handle.writable and not obj.writers and node.ino not in self.tmp_inos):
-            async with obj.content_lock():
-                await self.tiers.promote(node)
+            promotions = self.tiers.promotions
+            if promotions.mode == "stream":
+                promotions.start(node)
+            elif promotions.mode == "promote":
+                async with obj.content_lock():
+                    await self.tiers.promote(node)
         return self.backing(fh)
 
     def release(self, fh: int) -> None:

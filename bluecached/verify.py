@@ -12,7 +12,7 @@ import trio
 
 from .tiers.dram import CHUNK_SIZE
 from .tiers.objects import chunk_count
-from .tiers.placement import read_and_verify
+from .tiers.promotion import read_and_verify
 
 log = logging.getLogger("bluecached.verify")
 

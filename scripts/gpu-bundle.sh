@@ -118,6 +118,8 @@ EOF
 # 3. libfuse3 and fusermount3 of this machine
 cp -L /usr/lib/x86_64-linux-gnu/libfuse3.so.3 "$new/lib/"   # a plain file (links may not travel)
 cp "$(command -v fusermount3)" "$new/bin/"
+# py-spy (a static binary) for the profile step, where this machine's venv has it
+[ -x .venv/bin/py-spy ] && cp .venv/bin/py-spy "$new/bin/"
 
 # 4. the CUDA driver simulator, compiled as tests/cuda_sim.py compiles it
 cc -O2 -Wall -Wextra -Werror -shared -fPIC -Wl,-soname,libcuda.so.1 \

@@ -15,7 +15,8 @@
 #   GPU_TEST_TIMEOUT   seconds for the tests (default 200)
 #   GPU_BENCH_TIMEOUT  seconds for the bench (default 150)
 #   GPU_BUNDLE         the bundle (default .devgpu)
-#   GPU_STEPS          which steps to run (default "tests bench")
+#   GPU_STEPS          which steps to run (default "tests bench"; also "profile": the bench
+#                      under py-spy, into gpu-profile.txt)
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 2
 ROOT=$PWD
@@ -231,6 +232,27 @@ if [[ " $STEPS " == *" bench "* ]]; then
     --out-dir "$OUT" 2>&1 | tee "$OUT/gpu-bench.log"
   result[bench]=${PIPESTATUS[0]}
   say "step bench: exit ${result[bench]} in $(( $(date +%s) - t ))s"
+fi
+
+if [[ " $STEPS " == *" profile "* ]]; then
+  # The bench again under py-spy (every process: the bench, bluecached, hostd), Python and
+  # native frames, raw collapsed stacks in $OUT/gpu-profile.txt. Slower than the bench alone:
+  # its numbers are not results.
+  sim=(); [ "$CUDA" = simulator ] && sim=(--simulator)
+  say "step profile: py-spy record -- gpu_bench.py ${sim[*]} $BENCH_ARGS (limit ${BENCH_TIMEOUT}s)"
+  t=$(date +%s)
+  if [ -x "$BUNDLE/bin/py-spy" ]; then
+    # shellcheck disable=SC2086
+    timeout -k 15 "$BENCH_TIMEOUT" "$BUNDLE/bin/py-spy" record --subprocesses --native \
+      --rate 250 --format raw --output "$OUT/gpu-profile.txt" -- \
+      "$PY" bench/gpu_bench.py "${sim[@]}" $BENCH_ARGS --out-dir "$SCRATCH/profiled" \
+      2>&1 | tail -40 | tee "$OUT/gpu-profile.log"
+    result[profile]=${PIPESTATUS[0]}
+  else
+    say "step profile: no py-spy in the bundle"
+    result[profile]=1
+  fi
+  say "step profile: exit ${result[profile]} in $(( $(date +%s) - t ))s"
 fi
 
 # -- cleanup: only what this run started or mounted ----------------------------------------

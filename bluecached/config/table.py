@@ -171,6 +171,16 @@ BLUECACHED = Schema("Config", (
                                   "4096. Also the largest file the cache holds (an object is "
                                   "one extent inside a segment): a write or truncate past it "
                                   "fails with EFBIG. Fixed once segments are written."),
+            "hit_path": Field(as_choice("direct", "stream", "promote"), "direct",
+                              "How a read of an object only on NVMe is served. direct: read "
+                              "from the disk straight into the reply (hostd's staging slot), "
+                              "each 1MiB chunk answered once its CRC32C matched; no DRAM "
+                              "taken; the object's next open brings it into DRAM (stream). "
+                              "stream: brought into DRAM, each chunk served as soon as it is "
+                              "in and checked; opens after it read DRAM by passthrough. "
+                              "promote: the open waits until the whole object is in DRAM "
+                              "and checked. (Reads of an NVMe hit go through hostd; DRAM "
+                              "hits are read by the kernel itself.)"),
             "o_direct": Field(as_choice("auto", "on", "off", booleans=("on", "off")), "auto",
                               "Bypass the page cache with O_DIRECT: auto (if the filesystem "
                               "supports it), on or off."),

@@ -76,6 +76,12 @@ class DmaEngine(ABC):
     async def from_store(self, src: Sequence[memoryview], region: Region, offset: int) -> None:
         """Store buffers `src` into the region starting at `offset`."""
 
+    def host_view(self, region: Region, offset: int, length: int) -> memoryview | None:
+        """The region's bytes [offset, offset + length) as writable memory of this process,
+        where the engine maps it so (a tier may then read from disk straight into it); None
+        where it does not (DMA to another machine's memory, a GPU)."""
+        return None
+
 
 class RegionTable:
     """Live regions by id. A region unregistered while a transfer uses it is released when the

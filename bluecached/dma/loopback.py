@@ -123,6 +123,15 @@ class LoopbackEngine(DmaEngine):
             offset += len(d)
         await _copy(pairs, into_store=True)
 
+    def host_view(self, region, offset, length):
+        if region.kind == "cuda_ipc":
+            return None
+        _, view, writable = region.handle
+        if not writable:
+            return None
+        region.check_span(offset, length)
+        return view[offset:offset + length]
+
     async def from_store(self, src, region, offset) -> None:
         if region.kind == "cuda_ipc":
             cuda, _, start = region.handle

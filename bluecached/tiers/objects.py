@@ -38,6 +38,7 @@ class StoredObject:
                            # Store.observe; None otherwise
         "kernel_seen",     # (size, mtime_ns) of the memfd when last observed
         "kernel_refused",  # (errno, why): the kernel writer's memfd was stopped from growing
+        "read_from_nvme",  # served straight from NVMe once: the next open promotes it
     )
 
     def __init__(self):
@@ -62,6 +63,7 @@ class StoredObject:
         self.kernel_writer: int | None = None
         self.kernel_seen = (0, 0)
         self.kernel_refused: tuple[int, str] | None = None
+        self.read_from_nvme = False
 
     def content_lock(self) -> trio.Lock:
         if self.lock is None:

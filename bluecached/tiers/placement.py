@@ -13,21 +13,20 @@ Removing an object from the namespace is the store's business: the tiers ask it 
 import contextlib
 import errno
 import logging
-import os
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-import crc32c
 import trio
 
 from .. import crc
 from ..log_limit import LogLimiter
 from ..namespace import FsError, Inode
 from . import index
-from .dram import CHUNK_SIZE, PAGE_SIZE, Chunks, DramPool, Memfd
+from .dram import CHUNK_SIZE, Chunks, DramPool, Memfd
 from .journal import Journal
 from .nvme import SegmentStore
 from .objects import ZERO_CHUNK, StoredObject, chunk_count
+from .promotion import Promotions, read_and_verify
 
 log = logging.getLogger("bluecached.tiers")
 
@@ -46,6 +45,7 @@ class TierStats:
     misses: int = 0
     evictions: int = 0
     bytes_in: int = 0
+    bytes_out: int = 0   # served to readers straight from the tier (NVMe: hit_path direct)
 
     def as_dict(self) -> dict:
         return dict(self.__dict__)
@@ -79,32 +79,6 @@ def _crc_and_write(nvme: SegmentStore, extent, chunks: list, size: int,
     return crcs
 
 
-def read_and_verify(nvme: SegmentStore, extent, chunks: list, size: int, crcs: bytes) -> int:
-    """Worker thread: read the extent into chunks; returns the index of the first chunk whose
-    CRC32C does not match, or -1."""
-    memfd = getattr(chunks, "memfd", None)
-    if memfd is not None and size:
-        # Fresh memory: fallocate supplies a memfd's pages 2.1-3.8x faster than the faults an
-        # O_DIRECT read takes one page at a time (bench/memfd_supply.py, 3 runs, 2-core AMD
-        # EPYC VM), and an NVMe hit's promotion is mostly this.
-        with contextlib.suppress(OSError):
-            os.posix_fallocate(memfd.fd, 0, min(size, memfd.size))
-    nvme.read(extent, [memoryview(c) for c in chunks], size)
-    expected = crc.unpack(crcs) if len(crcs) == 4 * len(chunks) else None
-    if expected is None:
-        return 0
-    for i, chunk in enumerate(chunks):
-        n = min(CHUNK_SIZE, size - i * CHUNK_SIZE)
-        if crc32c.crc32c(memoryview(chunk)[:n]) != expected[i]:
-            return i
-        if n < CHUNK_SIZE:
-            # Past the end reads as zeros (the disk holds padding there). Only within the page
-            # that holds the end: a memfd's pages past its EOF fault (SIGBUS) when touched.
-            pad_end = min(CHUNK_SIZE, -(-n // PAGE_SIZE) * PAGE_SIZE)
-            chunk[n:pad_end] = bytes(pad_end - n)
-    return -1
-
-
 def _recency(node: Inode) -> int:
     """When the object was last used (read, opened, written), for eviction order."""
     return max(node.atime_ns, node.mtime_ns)
@@ -124,6 +98,7 @@ class Tiers:
         self.journal_max_bytes = journal_max_bytes
         self._remove_object = remove_object  # (inode, reason) -> None: the store unlinks it
         self.stats = Counters()
+        self.promotions = Promotions(self)   # streaming NVMe hits (run by the daemon)
         self.lru_dram: OrderedDict[int, Inode] = OrderedDict()   # resident objects
         self.lru_nvme: OrderedDict[int, Inode] = OrderedDict()   # persisted objects
         self.dirty_bytes = 0
@@ -494,11 +469,15 @@ class Tiers:
             self.stats.checksum_failures += 1
             log.error("checksum mismatch in inode %d (%s) chunk %d: object removed",
                       node.ino, node.name, bad)
-            self._remove_object(node, "checksum mismatch")
+            self.drop_corrupt(node)
             raise FsError(errno.EIO, "checksum mismatch: object removed")
         self.stats.nvme.hits += 1
         obj.chunks = chunks
         self.mark_resident(node)
+
+    def drop_corrupt(self, node: Inode) -> None:
+        """An object whose bytes failed their checksum: no name shows it again."""
+        self._remove_object(node, "checksum mismatch")
 
     # -- write-behind (DRAM -> NVMe) -------------------------------------------------------
 

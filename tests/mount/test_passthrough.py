@@ -256,20 +256,49 @@ def _restart_daemon(stack) -> None:
     stack.daemon.start()
 
 
-def test_an_nvme_hit_is_promoted_at_open_and_served_by_passthrough(mounted):
-    stack = mounted(allow_log=["lost bluecached"])
+def _dram_stats(stack) -> dict:
+    client = stack.daemon.client()
+    try:
+        return client.call("stats")["tiers"]
+    finally:
+        client.close()
+
+
+@pytest.mark.parametrize("hit_path", ["direct", "stream", "promote"])
+def test_an_nvme_hit_then_dram_hits_by_passthrough(mounted, engine, hit_path):
+    """tiers.nvme.hit_path: direct reads a first hit from the disk into hostd's replies (no
+    DRAM taken) and the next open brings it into DRAM; stream brings it in at the first open,
+    served through hostd as it comes; promote brings it in whole before the open is answered
+    and that open reads it by passthrough. Then every open reads DRAM by passthrough. (The
+    doca engine maps no reply memory in bluecached's process: direct works as stream there.)"""
+    stack = mounted(allow_log=["lost bluecached"], **{"tiers.nvme.hit_path": hit_path})
     data = os.urandom(6 * MIB + 4097)
     write_closed(stack, stack.path("cold.bin"), data)
     _restart_daemon(stack)
-    assert stack.path("cold.bin").read_bytes() == data
-    client = stack.daemon.client()
-    try:
-        dram = client.call("stats")["tiers"]["dram"]
+    fd = os.open(stack.path("cold.bin"), os.O_RDONLY)
+    try:   # into page-aligned memory, as the connectors read: whole 1 MiB requests
+        assert pread_aligned(fd, len(data) + 1, 0) == data
     finally:
-        client.close()
-    assert dram["misses"] == 1 and dram["objects"] == 1   # promoted once, at the open
+        os.close(fd)
+    tiers = _dram_stats(stack)
+    if engine == "doca" and hit_path == "direct":
+        hit_path = "stream"
+    via_hostd = {"direct": 2, "stream": 1, "promote": 0}[hit_path]
+    assert tiers["nvme"]["hits"] == 1
+    assert tiers["dram"]["misses"] == (0 if hit_path == "direct" else 1)
+    assert tiers["nvme"]["bytes_out"] == (len(data) if hit_path == "direct" else 0)
+    for _ in range(via_hostd):   # the open that promotes reads through hostd too
+        assert stack.path("cold.bin").read_bytes() == data
+    deadline = time.monotonic() + 30
+    while _dram_stats(stack)["dram"]["objects"] != 1:   # a streaming promotion ends
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    assert stack.path("cold.bin").read_bytes() == data
+    assert _dram_stats(stack)["dram"]["misses"] == 1      # brought into DRAM once
     log = _hostd_log_after_stop(stack)
-    assert "opens served by passthrough: 1, read-only opens served by hostd: 0" in log
+    opens = 2 + via_hostd
+    assert (f"opens served by passthrough: {opens - via_hostd}, read-only opens served by "
+            f"hostd: {via_hostd}") in log
 
 
 def _all_released(stack) -> None:

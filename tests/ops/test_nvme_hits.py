@@ -1,0 +1,144 @@
+"""Reads of an object only on NVMe, by tiers.nvme.hit_path (tiers/promotion.py): direct (read
+from the disk straight into the reply, checked chunk by chunk, no DRAM taken; the next open
+promotes), stream (promoted, each chunk served once it is in and checked) and promote (the
+whole object first). Byte-exact in every mode; a chunk that fails its CRC32C is never served
+and removes the object."""
+
+import errno
+import os
+
+import pytest
+import trio
+
+from bluecached.namespace import FsError
+from support import MiB, pattern, run
+
+SIZE = 5 * MiB + 4097   # a partial last chunk: its read ends at the object's end
+
+
+def serving(h, mode: str, fn):
+    """fn() with the daemon's promotions service running in `mode`."""
+    async def main():
+        async with trio.open_nursery() as nursery:
+            h.store.tiers.promotions.configure(mode)
+            await nursery.start(h.store.tiers.promotions.run)
+            try:
+                return await fn()
+            finally:
+                nursery.cancel_scope.cancel()
+    return run(main)
+
+
+async def on_nvme_only(h, path: str, data: bytes):
+    await h.put(path, data)
+    await h.settle()
+    node = h.store.ns.resolve(path)
+    h.store.tiers.drop_dram(node)
+    assert node.obj.chunks is None and node.obj.extent is not None
+    return node
+
+
+async def read_all(h, node, offset: int = 0, step: int = MiB) -> bytes:
+    handle = await h.store.open(node.ino, os.O_RDONLY)
+    try:
+        return await h.read(handle.fh, offset, node.size - offset, step=step)
+    finally:
+        h.store.release(handle.fh)
+
+
+def corrupt(h, node, at: int) -> None:
+    seg = h.store.tiers.nvme
+    extent = node.obj.extent
+    with open(seg._seg_path(extent.offset // seg.segment_size), "r+b") as f:
+        f.seek(extent.offset % seg.segment_size + at)
+        b = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([b[0] ^ 0x40]))
+
+
+def test_direct_serves_a_first_hit_from_disk_and_the_next_open_promotes(harness):
+    h = harness()
+    data = pattern("direct", SIZE)
+    stats = h.store.tiers.stats
+
+    async def main():
+        node = await on_nvme_only(h, "/m/a.bin", data)
+        misses = stats.dram.misses
+        assert await read_all(h, node) == data
+        assert node.obj.chunks is None                 # no DRAM taken
+        assert stats.dram.misses == misses and stats.nvme.hits == 1
+        assert stats.nvme.bytes_out == SIZE
+        assert await read_all(h, node) == data         # hit again: promoted, streaming
+        while node.obj.arrival is not None:
+            await trio.sleep(0.01)
+        assert node.obj.chunks is not None and stats.dram.misses == misses + 1
+        assert stats.nvme.bytes_out == SIZE            # the second read came from DRAM
+        assert await read_all(h, node) == data
+
+    serving(h, "direct", main)
+    h.check_consistency()
+
+
+def test_direct_leaves_reads_not_of_whole_chunks_to_a_promotion(harness):
+    h = harness()
+    data = pattern("odd", SIZE)
+
+    async def main():
+        node = await on_nvme_only(h, "/odd.bin", data)
+        assert await read_all(h, node, offset=100, step=300_000) == data[100:]
+        assert h.store.tiers.stats.nvme.bytes_out == 0
+
+    serving(h, "direct", main)
+    h.check_consistency()
+
+
+@pytest.mark.parametrize("mode", ["direct", "stream", "promote"])
+def test_a_chunk_that_fails_its_checksum_is_never_served(harness, mode):
+    h = harness()
+    data = pattern(mode, SIZE)
+
+    async def main():
+        node = await on_nvme_only(h, "/x/victim.bin", data)
+        corrupt(h, node, 3 * MiB + 77)
+        handle = await h.store.open(node.ino, os.O_RDONLY)
+        got = b""
+        with pytest.raises(FsError) as e:
+            for offset in range(0, SIZE, MiB):
+                got += await h.read(handle.fh, offset, min(MiB, SIZE - offset))
+        h.store.release(handle.fh)
+        assert e.value.errno == errno.EIO
+        assert got == data[:len(got)] and len(got) <= 3 * MiB   # nothing past the bad chunk
+        return node.ino
+
+    ino = serving(h, mode, main)
+    assert h.store.tiers.stats.checksum_failures == 1
+    with pytest.raises(FsError):
+        h.store.ns.resolve("/x/victim.bin")
+    assert ino not in h.store.ns.inodes
+    assert any(event == "removed" and f["reason"] == "checksum mismatch"
+               for event, f in h.events)
+    h.check_consistency()
+
+
+def test_stream_serves_readers_while_the_object_comes_in(harness):
+    h = harness()
+    data = pattern("stream", SIZE)
+
+    async def main():
+        node = await on_nvme_only(h, "/s.bin", data)
+        handles = [await h.store.open(node.ino, os.O_RDONLY) for _ in range(2)]
+        got = [b"", b""]
+
+        async def reader(k):
+            got[k] = await h.read(handles[k].fh, 0, SIZE)
+
+        async with trio.open_nursery() as nursery:
+            for k in range(2):
+                nursery.start_soon(reader, k)
+        for handle in handles:
+            h.store.release(handle.fh)
+        assert got == [data, data]
+        assert node.obj.chunks is not None and h.store.tiers.stats.dram.misses == 1
+
+    serving(h, "stream", main)
+    h.check_consistency()
