@@ -132,6 +132,22 @@ def proc_cpu(pid: int | None) -> float | None:
     return None if c is None else c[0] + c[1]
 
 
+def wait_quiet(pid: int | None, window: float = 0.3, busy: float = 0.02,
+               timeout: float = 30) -> float:
+    """Waits until a process spends less than `busy` CPU seconds in `window` (its background
+    work done: map_ahead refilling spares, write-behind), at most `timeout`; the seconds
+    waited."""
+    t0 = time.monotonic()
+    last = proc_cpu(pid)
+    while last is not None and time.monotonic() - t0 < timeout:
+        time.sleep(window)
+        now = proc_cpu(pid)
+        if now is None or now - last < busy:
+            break
+        last = now
+    return time.monotonic() - t0
+
+
 def system_busy() -> tuple[float, float]:
     """(busy, total) jiffies over all CPUs from /proc/stat."""
     parts = [int(x) for x in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
