@@ -117,11 +117,7 @@ class RegionCache:
     def _forget_other_daemons(self) -> None:
         """After a reconnection every entry is gone with the old daemon's regions."""
         if self._channel is not None and self._channel_generation != self.link.generation:
-            self._channel.close()
-            self._channel = None
-            for entry in self._entries.values():
-                entry.stale = True
-            self._entries.clear()
+            self._forget_channel()
 
     async def _register(self, key: tuple, fd: int, length: int) -> CachedRegion:
         generation = self.link.generation
@@ -143,6 +139,7 @@ class RegionCache:
             return fn(*args)
 
     def _forget_channel(self) -> None:
+        """The channel is gone (or its daemon is): so are the regions registered through it."""
         if self._channel is not None:
             self._channel.close()
         self._channel = None

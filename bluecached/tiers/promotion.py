@@ -120,24 +120,25 @@ class Promotions:
     def __init__(self, tiers):
         self.tiers = tiers
         self._nursery: trio.Nursery | None = None
-        # tiers.nvme.hit_path while the service runs; "promote" (the whole object before the
-        # open is answered) where it does not, as in tests that drive Tiers alone
-        self.mode = "promote"
         self._configured = "promote"
 
     def configure(self, hit_path: str) -> None:
         self._configured = hit_path
 
+    @property
+    def mode(self) -> str:
+        """tiers.nvme.hit_path while the service runs; "promote" (the whole object before the
+        open is answered) where it does not, as in tests that drive Tiers alone."""
+        return self._configured if self._nursery is not None else "promote"
+
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
-            self.mode = self._configured
             task_status.started()
             try:
                 await trio.sleep_forever()
             finally:
                 self._nursery = None
-                self.mode = "promote"
 
     def start(self, node: Inode) -> Arrival | None:
         """The object's promotion in flight, or a new one; None where none can stream (the

@@ -62,32 +62,43 @@ class SilentDaemon:
         self.held.clear()
 
 
+async def held_read(nursery, path: str):
+    """A link to a SilentDaemon with two slots, and a read the daemon held past
+    request_timeout: (daemon, link), the read's slot still taken."""
+    daemon = SilentDaemon(path)
+    client = LocalClient(path)
+    link = DaemonLink(client, None, slots=2, request_timeout=0.3, read_ahead=0)
+    await nursery.start(daemon.serve)
+    await nursery.start(client.run)
+    await link.connect(timeout=5)
+    fh = link._add_file(5, 0, daemon_fh=9, size=1 << 20)
+    with pytest.raises(RemoteError) as e:
+        await link.read(fh, 0, 4096)            # the daemon holds it: timed out
+    assert e.value.errno == errno.ETIMEDOUT
+    assert link.staging.free() == 1             # its slot stays out of use
+    return daemon, link
+
+
+async def all_slots_free(link) -> None:
+    with trio.fail_after(5):
+        while link.staging.free() < 2:  # noqa: ASYNC110 (a count, no event)
+            await trio.sleep(0.01)
+
+
 def test_a_slot_named_by_an_unanswered_read_is_not_reused_until_the_reply(tmp_path):
     path = str(tmp_path / "control.seq")
 
     async def main():
-        daemon = SilentDaemon(path)
-        client = LocalClient(path)
-        link = DaemonLink(client, None, slots=2, request_timeout=0.3, read_ahead=0)
         async with trio.open_nursery() as nursery:
-            await nursery.start(daemon.serve)
-            await nursery.start(client.run)
-            await link.connect(timeout=5)
-            fh = link._add_file(5, 0, daemon_fh=9, size=1 << 20)
-            with pytest.raises(RemoteError) as e:
-                await link.read(fh, 0, 4096)            # the daemon holds it: timed out
-            assert e.value.errno == errno.ETIMEDOUT
+            daemon, link = await held_read(nursery, path)
             assert [op for _, op in daemon.held] == ["read"]
-            assert link.staging.free() == 1             # its slot stays out of use...
-            other = await link.staging.take()
+            other = await link.staging.take()           # the other slot...
             with pytest.raises(RemoteError) as e:       # ... and a request waits for a
                 await link.staging.take()               # slot only as long as for the daemon
             assert e.value.errno == errno.ETIMEDOUT
             link.staging.give(other)
             await daemon.answer_held()                  # the late reply: the slot is free
-            with trio.fail_after(5):
-                while link.staging.free() < 2:  # noqa: ASYNC110 (a count, no event)
-                    await trio.sleep(0.01)
+            await all_slots_free(link)
             nursery.cancel_scope.cancel()
 
     trio.run(main, strict_exception_groups=True)
@@ -97,21 +108,10 @@ def test_slots_held_for_a_daemon_that_went_away_come_back(tmp_path):
     path = str(tmp_path / "control.seq")
 
     async def main():
-        daemon = SilentDaemon(path)
-        client = LocalClient(path)
-        link = DaemonLink(client, None, slots=2, request_timeout=0.3, read_ahead=0)
         async with trio.open_nursery() as nursery:
-            await nursery.start(daemon.serve)
-            await nursery.start(client.run)
-            await link.connect(timeout=5)
-            fh = link._add_file(5, 0, daemon_fh=9, size=1 << 20)
-            with pytest.raises(RemoteError):
-                await link.read(fh, 0, 4096)
-            assert link.staging.free() == 1
+            daemon, link = await held_read(nursery, path)
             daemon.hang_up()                            # it died: nothing can touch the slot
-            with trio.fail_after(5):
-                while link.staging.free() < 2:  # noqa: ASYNC110 (a count, no event)
-                    await trio.sleep(0.01)
+            await all_slots_free(link)
             nursery.cancel_scope.cancel()
 
     trio.run(main, strict_exception_groups=True)
