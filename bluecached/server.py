@@ -216,7 +216,7 @@ class ControlServer:
                 # optional arguments this daemon knows, for clients newer than the protocol
                 # version they share with it
                 "features": ["kill_suidgid", "backing", "open_backing", "xattrs",
-                             "writer_backing"]}
+                             "writer_backing", "open_kept"]}
 
     async def op_ping(self, session) -> dict:
         return {}
@@ -265,12 +265,16 @@ class ControlServer:
         result = {"fh": handle.fh, "attr": self._known(session, handle.node)}
         return await self._with_backing(session, handle, result) if backing else result
 
-    async def op_open(self, session, ino, flags, backing=False) -> dict | WithFd:
+    async def op_open(self, session, ino, flags, backing=False, kept=None) -> dict | WithFd:
         """With `backing`, the open also brings the memfd (as op_backing), so that a hit
-        costs hostd one round trip: the open is on every cache hit's path."""
+        costs hostd one round trip: the open is on every cache hit's path. With `kept`, the
+        client already answered its kernel with the memfd it kept ([st_dev, st_ino]): the
+        reply says whether that is still the object's (Store.keep)."""
         handle = await self.store.open(ino, flags, session.id)
         self.store.observe(handle.node)
         result = {"fh": handle.fh, "attr": handle.node.attrs()}
+        if kept is not None:
+            result["kept"] = session.local and self.store.keep(handle.fh, kept)
         return await self._with_backing(session, handle, result) if backing else result
 
     async def _with_backing(self, session, handle, result: dict) -> dict | WithFd:

@@ -53,6 +53,8 @@ class Store:
         self.tiers = tiers
         self.engine = engine
         self.publish = publish
+        # a memfd a client may keep past its handles left the object: it is to let it go
+        tiers.left_dram = lambda node: self.publish("left-dram", ino=node.ino)
         self.tmp_max_age = tmp_max_age
         self.clock = clock
         self.boot = 1
@@ -704,14 +706,42 @@ class Store:
 
     def backing(self, fh: int) -> tuple[int, int]:
         """A read-only fd of the object's memfd and its size, for a client that hands it to
-        its kernel as a FUSE passthrough backing file; it holds the fd until it releases the
-        handle. ENODATA (serve through the daemon, the open stays good) unless the object is
-        complete and in DRAM: written by nobody, no writer's temporary. Its content lock may
-        be held: write-behind holds it while it copies to NVMe, changing nothing, and a
-        truncation changes the memfd in place, which such a reader is to see anyway."""
+        its kernel as a FUSE passthrough backing file; it may keep the fd past the handle
+        (hostd/kept_backings.py: the memfd is then never reused for other bytes, and its
+        leaving the object is published as "left-dram"). ENODATA (serve through the daemon,
+        the open stays good) unless the object is complete and in DRAM: written by nobody,
+        no writer's temporary. Its content lock may be held: write-behind holds it while it
+        copies to NVMe, changing nothing, and a truncation changes the memfd in place, which
+        such a reader is to see anyway."""
         handle = self._handle(fh)
         if handle.writable:
             return self._writer_backing(handle)
+        memfd = self._backable(handle)
+        fd = memfd.open_readonly()
+        self._lent_to(handle)
+        return fd, handle.node.size
+
+    def keep(self, fh: int, identity: list[int]) -> bool:
+        """Read-only handle `fh` was answered by its client with the memfd it kept from an
+        earlier backing, `identity` its [st_dev, st_ino]: counted as backing() counts it when
+        that is still the object's memfd and could be lent now. False: the client is to
+        forget the one it kept."""
+        handle = self._handle(fh)
+        if len(identity) != 2:
+            raise FsError(errno.EINVAL, "kept: [st_dev, st_ino] of the memfd")
+        if handle.writable:
+            return False
+        try:
+            memfd = self._backable(handle)
+        except FsError:
+            return False
+        if not memfd.lent or list(memfd.identity()) != identity:
+            return False
+        self._lent_to(handle)
+        return True
+
+    def _backable(self, handle: Handle):
+        """The read-only handle's memfd, if it may be lent now; else ENODATA, saying why."""
         node = handle.node
         obj = node.obj
         why = None
@@ -728,17 +758,20 @@ class Store:
                 why = "its memory is being resized"
         if why is not None:
             raise FsError(errno.ENODATA, f"no backing: serve through the daemon ({why})")
-        fd = memfd.open_readonly()
+        return memfd
+
+    def _lent_to(self, handle: Handle) -> None:
+        """The handle's client reads the memfd from now on, unseen: counted as a read."""
+        node = handle.node
         node.atime_ns = self.clock()
         self.tiers.touch(node)
-        if self.remote is not None:   # the kernel reads it from now on, unseen: count a read
+        if self.remote is not None:
             self.remote.note_read(node)
             if node.parent is not None:
                 self.remote.admit(node, "read")
         if not handle.backed:
             handle.backed = True
-            obj.backed += 1
-        return fd, node.size
+            node.obj.backed += 1
 
     async def backing_loaded(self, fh: int) -> tuple[int, int]:
         """As backing(), for a read-only handle whose object is only on NVMe, by

@@ -115,6 +115,15 @@ HOSTD = Schema("HostdConfig", (
                              "or write of it reaches hostd. Where that cannot be (a file "
                              "being written by another, not in DRAM, DPU mode) reads and "
                              "writes go through hostd as with false."),
+        "kept_opens": Field(as_count(minimum=0, maximum=4096), 256,
+                            "How many files' DRAM memory hostd keeps (an fd each) after their "
+                            "last passthrough reader closed, so that the next read-only open "
+                            "of one is answered by hostd alone, bluecached told right after "
+                            "(docs/architecture.md, What a hit costs). bluecached says when "
+                            "one leaves DRAM; hostd lets it go then. 0: every open asks "
+                            "bluecached first."),
+        "kept_idle": Field(as_duration(), "60s",
+                           "A kept file unopened this long is let go (kept_opens)."),
         "max_pages": Field(as_count(minimum=0, maximum=65535), 0,
                            "Largest FUSE read request the kernel may send, in 4 KiB pages; 0 "
                            "keeps libfuse's 256 (1 MiB, the size of hostd's staging slots and "

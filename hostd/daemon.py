@@ -41,6 +41,7 @@ from . import metrics as hostd_metrics  # noqa: E402
 from .fuse_features import FuseFeatures  # noqa: E402
 from .fuse_log import answer_to_a_gone_connection  # noqa: E402
 from .ioctl import ZeroCopyTransfers  # noqa: E402
+from .kept_backings import KeptBackings  # noqa: E402
 from .link import DaemonLink, DocaSetupError  # noqa: E402
 from .mount import (  # noqa: E402
     FSNAME,
@@ -75,18 +76,25 @@ def _endpoints(cfg) -> tuple[str, str, str | None, dict | None]:
     return control, events, regions, keys
 
 
-async def _follow_events(events_endpoint: str, keys, ops: Operations) -> None:
+async def _follow_events(events_endpoint: str, keys, ops: Operations, link: DaemonLink) -> None:
     sock = zmq.Context.instance().socket(zmq.SUB)
     sock.setsockopt(zmq.LINGER, 0)
     if keys:
         sock.curve_serverkey, sock.curve_publickey, sock.curve_secretkey = (
             keys["server_public"], keys["public"], keys["secret"])
     sock.setsockopt(zmq.SUBSCRIBE, protocol.EVENT_REMOVED)
+    if link.kept is not None:
+        sock.setsockopt(zmq.SUBSCRIBE, protocol.EVENT_LEFT_DRAM)
     sock.connect(events_endpoint)
 
     def on_event(frames):
         try:
-            _, fields = protocol.decode_event(frames)
+            topic, fields = protocol.decode_event(frames)
+            if topic == protocol.EVENT_LEFT_DRAM:
+                link.kept.drop(fields["ino"])
+                return
+            if link.kept is not None:
+                link.kept.drop(fields["ino"])
             log.debug("event: removed %s (%s)", fields.get("name"), fields.get("reason"))
             if fields.get("parent") is not None:
                 ops.forget_name(fields["parent"], fields["name"], fields["ino"])
@@ -140,7 +148,9 @@ async def run(cfg, path: Path | None, notifier, assignments: list[str] | None = 
         client = AsyncClient(control, keys, client_name=name)
     link = DaemonLink(client, regions, cfg.mount.staging_slots, cfg.daemon.request_timeout,
                       cfg.doca, ack_staged=cfg.mount.write_ack == "staged",
-                      read_ahead=cfg.mount.read_ahead)
+                      read_ahead=cfg.mount.read_ahead,
+                      kept=KeptBackings(cfg.mount.kept_opens, cfg.mount.kept_idle)
+                      if cfg.mount.passthrough and cfg.mount.kept_opens else None)
     features = FuseFeatures(SHIM, cfg.mount) if SHIM is not None else None
     ops = Operations(link, Timeouts(cfg.mount.entry_timeout, cfg.mount.attr_timeout,
                                     cfg.mount.negative_timeout),
@@ -172,7 +182,8 @@ async def run(cfg, path: Path | None, notifier, assignments: list[str] | None = 
             nursery.start_soon(link.watch)
             nursery.start_soon(link.forward_releases)
             await nursery.start(link.send_writes)
-            nursery.start_soon(_follow_events, events, keys, ops)
+            await nursery.start(link.confirm_kept_opens)
+            nursery.start_soon(_follow_events, events, keys, ops, link)
             try:
                 await trio.to_thread.run_sync(_prepare_mountpoint, mountpoint)
             except MountError as e:
@@ -272,7 +283,8 @@ async def run(cfg, path: Path | None, notifier, assignments: list[str] | None = 
         log.info("reads answered from read-ahead: %d, read-aheads thrown away: %d",
                  link.read_ahead.served, link.read_ahead.wasted)
     if features is not None:
-        log.info("%s", features.summary())
+        log.info("%s%s", features.summary(), "" if link.kept is None else
+                 f", of them answered by hostd alone: {link.kept.answered}")
     log.info("stopped; hostd copied %d payload bytes", link.bytes_copied)
 
 

@@ -35,6 +35,7 @@ from fusefs.cache import Attr
 
 from .doca_export import DocaSetupError, HostExporter
 from .inflight import WritesInFlight
+from .kept_backings import KeptBackings
 from .readahead import ReadAhead
 
 log = logging.getLogger("hostd.link")
@@ -182,12 +183,16 @@ class OpenFile:
     error: RemoteError | None = None   # a write answered early that then failed
     size_at_open: int = 0              # how far read-ahead may go (a hint: see readahead.py)
     kernel_writes: bool = False        # its kernel writes the daemon's memfd directly
+    # set once bluecached heard of an open answered from a kept memfd (KeptBackings):
+    # daemon_fh is None until then
+    confirmed: trio.Event | None = None
+    late: bool = False   # no kernel's: a handle an open made after its caller gave up
 
 
 class DaemonLink:
     def __init__(self, client: AsyncClient, regions_path: str | None, slots: int,
                  request_timeout: float, doca_settings=None, ack_staged: bool = False,
-                 read_ahead: int = 4):
+                 read_ahead: int = 4, kept: KeptBackings | None = None):
         self.client = client
         self.regions_path = regions_path
         self.doca_settings = doca_settings   # hostd.yaml's doca section
@@ -200,6 +205,9 @@ class DaemonLink:
         self.daemon_backs = False   # bluecached hands out memfds (the backing op)
         self.daemon_opens_backed = False   # ... and with a read-only open (open's `backing`)
         self.daemon_backs_writers = False  # ... and a new file's with its create (or O_TRUNC)
+        self.daemon_keeps = False   # ... and takes an open answered from a kept one (`kept`)
+        self.kept = kept            # memfds kept for opens answered by hostd alone
+        self._confirms_send, self._confirms = trio.open_memory_channel(float("inf"))
         # Whether the kernel can use a memfd (fusefs.Passthrough.negotiated): then read-only
         # opens ask for it at once. Set by hostd/daemon.py.
         self.wants_backing = lambda: False
@@ -211,7 +219,8 @@ class DaemonLink:
         self._held_for: dict[int, list[int]] = {}   # request id -> staging slots it named
         self._staging_regions: set[int] = set()     # every id the staging region had
         self._undropped: set[int] = set()   # files to discard (_drop_file) not yet dropped
-        client.on_abandoned, client.on_late = self._hold_slots, self._release_slots
+        client.on_abandoned, client.on_late = self._hold_slots, self._answered_late
+        self._late_opens: set[int] = set()   # abandoned open/create requests: see _answered_late
         self.bytes_copied = 0           # payload bytes hostd itself copied (POSIX path only)
         self.generation = 0             # bumps at every (re)connection to a daemon
         self.incarnation = None
@@ -256,6 +265,7 @@ class DaemonLink:
         self.daemon_backs = "backing" in hello.get("features", ())
         self.daemon_opens_backed = "open_backing" in hello.get("features", ())
         self.daemon_backs_writers = "writer_backing" in hello.get("features", ())
+        self.daemon_keeps = "open_kept" in hello.get("features", ())
         self.daemon_xattrs = "xattrs" in hello.get("features", ())
         if self.engine == "doca":
             await self._import_staging()
@@ -274,6 +284,7 @@ class DaemonLink:
         if restarted:   # the daemon that had unanswered requests is gone with them
             for rid in list(self._held_for):
                 self._release_slots(rid)
+            self._late_opens.clear()
         self._staging_regions.add(self.staging.region_id)
         for ino in sorted(self._undropped):   # before any other request of this session
             await self.client.call("discard", timeout=2, ino=ino)
@@ -281,6 +292,8 @@ class DaemonLink:
             log.info("dropped inode %d, whose write failed while bluecached was away", ino)
         self.incarnation, self.session = hello["incarnation"], hello["session"]
         self.generation += 1
+        if self.kept is not None:   # the old daemon's memfds: not this one's objects
+            self.kept.clear()
         self._lost = trio.Event()
         self._connected.set()
         log.info("connected to %s (engine %s, session %d)%s", hello["server"], hello["engine"],
@@ -317,6 +330,8 @@ class DaemonLink:
     def _hold_slots(self, rid: int, op: str, args: dict) -> None:
         """The client's on_abandoned: request `rid` was sent and its caller stopped waiting.
         The staging slots it names stay out of use until it is answered (Staging.hold)."""
+        if op in ("open", "create"):
+            self._late_opens.add(rid)
         if args.get("region") not in self._staging_regions:
             return   # not staging: a zero-copy transfer names the caller's own memory
         offsets = args.get("region_offsets") or [args.get("region_offset")]
@@ -325,8 +340,20 @@ class DaemonLink:
             self._held_for[rid] = slots
             self.staging.hold(slots)
 
+    def _answered_late(self, rid: int, reply: dict | None) -> None:
+        """The client's on_late: `rid` was answered after all (`reply`), or can no longer be
+        (None). An open or create whose caller had its EIO but which bluecached did after
+        all left a handle there that no kernel will release: it is released here (unless
+        the reconnect that followed the timeout released it with the old session)."""
+        self._release_slots(rid)
+        if rid in self._late_opens:
+            self._late_opens.discard(rid)
+            result = reply.get("result") if reply is not None and reply.get("ok") else None
+            if isinstance(result, dict) and isinstance(result.get("fh"), int):
+                self._releases_send.send_nowait(
+                    OpenFile(0, 0, result["fh"], self.generation, late=True))
+
     def _release_slots(self, rid: int) -> None:
-        """The client's on_late: `rid` was answered after all, or can no longer be."""
         slots = self._held_for.pop(rid, None)
         if slots:
             self.staging.release(slots)
@@ -343,6 +370,8 @@ class DaemonLink:
         """Health task: ping; on failure reconnect until it works."""
         task_status.started()
         while True:
+            if self.kept is not None:
+                self.kept.expire()
             if self._connected.is_set():
                 with trio.move_on_after(PING_INTERVAL):
                     await self._lost.wait()
@@ -430,6 +459,8 @@ class DaemonLink:
         f = self._files.get(fh)
         if f is None:
             raise RemoteError(errno.EBADF, f"no open file {fh}")
+        if f.confirmed is not None:
+            await f.confirmed.wait()
         if f.generation != self.generation and f.kernel_writes:
             # Its kernel wrote the old daemon's memfd, which the new one never had.
             raise RemoteError(errno.EIO, f"bluecached restarted while inode {f.ino} was being "
@@ -453,6 +484,8 @@ class DaemonLink:
 
     async def setattr(self, ino, **changes) -> Attr:
         await self.inflight.settled(ino)
+        if self.kept is not None:
+            self.kept.changing(ino)
         if self.read_ahead is None:
             return Attr.from_wire(await self.call("setattr", ino=ino, **changes))
         self.read_ahead.changing(ino)
@@ -493,13 +526,62 @@ class DaemonLink:
 
     async def open(self, ino, flags):
         await self.inflight.settled(ino)
+        reading = flags & os.O_ACCMODE == os.O_RDONLY and not flags & os.O_TRUNC
+        if self.kept is not None and not reading:
+            self.kept.changing(ino)
+        elif self.kept is not None and self.daemon_keeps and self.wants_backing():
+            answered = self._answer_kept(ino, flags)
+            if answered is not None:
+                return answered
+        stamp = self.kept.stamp() if self.kept is not None else 0
         fd = None
         if self._backed_open(flags) and self.wants_backing():
             r, fd = await self.call("open", ino=ino, flags=flags, backing=True, with_fd=True)
         else:
             r = await self.call("open", ino=ino, flags=flags)
         attr = Attr.from_wire(r["attr"])
-        return self._opened(attr, flags, r, fd), attr
+        fh = self._opened(attr, flags, r, fd)
+        if fd is not None and reading and self.kept is not None and self.daemon_keeps:
+            self.kept.keep(ino, fd, r["backing_size"], attr, self.generation, stamp)
+        return fh, attr
+
+    def _answer_kept(self, ino: int, flags: int) -> tuple[int, Attr] | None:
+        """A read-only open answered from the memfd kept for `ino`, bluecached told after
+        (confirm_kept_opens); None if none is kept."""
+        got = self.kept.take(ino, self.generation)
+        if got is None:
+            return None
+        fd, entry = got
+        fh = self._add_file(ino, flags, None, entry.size)
+        self._files[fh].confirmed = trio.Event()
+        self._backings[fh] = (fd, entry.size)   # for backing(fh), asked next
+        self._confirms_send.send_nowait((self._files[fh], entry.identity))
+        return fh, entry.attr
+
+    async def confirm_kept_opens(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        """Sends bluecached each open answered from a kept memfd, once its kernel had the
+        answer: bluecached counts it as any open and says whether the memfd is still the
+        file's."""
+        async with trio.open_nursery() as nursery:
+            task_status.started()
+            async for f, identity in self._confirms:
+                nursery.start_soon(self._confirm_kept, f, identity)
+
+    async def _confirm_kept(self, f: OpenFile, identity: list) -> None:
+        try:
+            r = await self.call("open", ino=f.ino, flags=f.flags, kept=identity)
+        except RemoteError as e:
+            # No handle at bluecached (the file went, or bluecached is away): a call that
+            # needs one opens it then (daemon_fh); its reader has the bytes it was given.
+            f.generation = -1
+            self.kept.drop(f.ino)
+            log.debug("kept open of inode %d not confirmed: %s", f.ino, e)
+        else:
+            f.daemon_fh, f.generation = r["fh"], self.generation
+            if not r.get("kept"):
+                self.kept.refused_by_daemon(f.ino, identity)
+        finally:
+            f.confirmed.set()
 
     def _backed_open(self, flags: int) -> bool:
         """Whether an open asks for the memfd with it: a reader's, or a truncating writer's
@@ -758,11 +840,15 @@ class DaemonLink:
     async def forward_releases(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         task_status.started()
         async for f in self._releases:
+            if f.confirmed is not None:
+                await f.confirmed.wait()
             if f.generation != self.generation:
                 continue  # the daemon restarted: that handle is gone already
             try:
                 await self.call("release", fh=f.daemon_fh)
             except RemoteError as e:
+                if f.late and e.errno == errno.EBADF:
+                    continue   # its session was replaced, and the handle released with it
                 log.warning("release of inode %d not delivered: %s", f.ino, e)
 
     async def unlink(self, parent, name) -> None:
@@ -817,6 +903,8 @@ class DaemonLink:
             await self.call("forget", inos=[i for i, _ in batch], counts=[n for _, n in batch])
 
     def close(self) -> None:
+        if self.kept is not None:
+            self.kept.clear()
         if self._channel is not None:
             self._channel.close()
         if self._staging_export is not None:

@@ -232,6 +232,18 @@ class HostdCollector:
                             "registered again)")
             metric.add_metric([], self.transfers.regions.registrations)
             yield metric
+        kept = self.link.kept
+        if kept is not None:
+            for name, kind, value, text in (
+                    ("opens_kept", "gauge", len(kept),
+                     "Files whose DRAM memory hostd keeps for opens it answers alone"),
+                    ("opens_answered_kept", "counter", kept.answered,
+                     "Read-only opens answered by hostd alone from a kept file"),
+                    ("opens_kept_refused", "counter", kept.refused,
+                     "Kept files bluecached said were no longer the file's bytes")):
+                metric = family(f"bluecache_hostd_{name}", kind, text)
+                metric.add_metric([], value)
+                yield metric
         if self.in_place is not None:
             metric = family("bluecache_hostd_writes_received", "counter",
                             "FUSE write requests by how hostd received their bytes", ["how"])

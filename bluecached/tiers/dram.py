@@ -118,6 +118,11 @@ class Memfd:
         self.lent = True
         return os.open(f"/proc/self/fd/{self.fd}", os.O_RDONLY | os.O_CLOEXEC)
 
+    def identity(self) -> tuple[int, int]:
+        """(st_dev, st_ino): what names this file in another process's fd of it."""
+        st = os.fstat(self.fd)
+        return st.st_dev, st.st_ino
+
     def seal_growth(self) -> None:
         """The file never grows again: a write past its end fails (EPERM) whoever makes it."""
         fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_GROW)

@@ -97,6 +97,7 @@ class Tiers:
         self.write_through = write_through
         self.journal_max_bytes = journal_max_bytes
         self._remove_object = remove_object  # (inode, reason) -> None: the store unlinks it
+        self.left_dram = lambda node: None    # a lent memfd left its object (Store.backing)
         self.stats = Counters()
         self.promotions = Promotions(self)   # streaming NVMe hits (run by the daemon)
         self.lru_dram: OrderedDict[int, Inode] = OrderedDict()   # resident objects
@@ -250,6 +251,8 @@ class Tiers:
         if obj.chunks is not None:
             chunks, obj.chunks = obj.chunks, None
             self.give_chunks(obj, chunks)   # hostd's fd, if any, keeps the pages (an open handle)
+            if chunks.memfd is not None and chunks.memfd.lent:
+                self.left_dram(node)
         self.lru_dram.pop(node.ino, None)
         if obj.dirty:
             obj.dirty = False

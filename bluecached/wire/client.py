@@ -77,7 +77,7 @@ class AsyncClient(Handshaking):
             if reply.get("id") in self._abandoned:
                 self._abandoned.discard(reply.get("id"))
                 if self.on_late is not None:
-                    self.on_late(reply.get("id"))
+                    self.on_late(reply.get("id"), reply)
         elif slot[1] is not None:
             slot[1]["answered"] = True   # failed by fail_pending, answered since
         else:

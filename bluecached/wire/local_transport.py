@@ -186,8 +186,9 @@ class LocalClient(Handshaking):
         self._waiting: dict[int, list] = {}
         self.hello: dict = {}
         # Hooks for requests sent whose callers stopped waiting before the reply (timed out,
-        # cancelled, or failed by fail_pending): on_abandoned(id, op, args) then, on_late(id)
-        # once its reply comes after all or the connection (so the daemon) is gone.
+        # cancelled, or failed by fail_pending): on_abandoned(id, op, args) then,
+        # on_late(id, reply) once its reply comes after all, or on_late(id, None) once the
+        # connection (so the daemon) is gone.
         self.on_abandoned = None
         self.on_late = None
         self._abandoned: set[int] = set()
@@ -197,11 +198,11 @@ class LocalClient(Handshaking):
             self._abandoned.add(rid)
             self.on_abandoned(rid, op, args)
 
-    def _answered_late(self, rid: int) -> None:
+    def _answered_late(self, rid: int, reply: dict | None = None) -> None:
         if rid in self._abandoned:
             self._abandoned.discard(rid)
             if self.on_late is not None:
-                self.on_late(rid)
+                self.on_late(rid, reply)
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         task_status.started()
@@ -243,7 +244,7 @@ class LocalClient(Handshaking):
             if slot is not None:
                 slot[1]["answered"] = True   # failed by fail_pending, answered since
             else:
-                self._answered_late(reply.get("id"))
+                self._answered_late(reply.get("id"), reply)
             return
         if fds:
             reply["fds"] = fds

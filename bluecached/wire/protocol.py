@@ -54,7 +54,7 @@ OPS: dict[str, tuple[dict, dict]] = {
     "readlink": ({"ino": U64}, {}),
     "link": ({"ino": U64, "new_parent": U64, "new_name": BYTES}, {}),
     # backing: also the memfd, as the `backing` op gives it (the reply then carries an fd)
-    "open": ({"ino": U64, "flags": U32}, {"backing": BOOL}),
+    "open": ({"ino": U64, "flags": U32}, {"backing": BOOL, "kept": U64_LIST}),
     "read": (_TRANSFER, {}),
     "write": (_TRANSFER, {"kill_suidgid": BOOL}),
     "write_batch": ({"region": U64, "fhs": U64_LIST, "offsets": U64_LIST, "lengths": U64_LIST,
@@ -198,6 +198,9 @@ def decode_reply(frame: bytes, max_bytes: int = 64 << 20) -> dict:
 
 # Events on the PUB socket: [topic, msgpack map]. Subscribers filter by topic prefix.
 EVENT_REMOVED = b"removed"
+# {ino}: the object's memfd, lent for passthrough (Store.backing), is no longer its bytes'
+# home (evicted from DRAM, removed): a client that kept an fd of it lets it go.
+EVENT_LEFT_DRAM = b"left-dram"
 
 
 def encode_event(topic: bytes, fields: dict) -> list[bytes]:

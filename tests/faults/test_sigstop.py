@@ -119,8 +119,9 @@ def test_stopped_bluecached_fails_requests_with_eio_then_serves_again(mounted):
 
 
 def test_what_the_kernel_answers_itself_goes_on_while_bluecached_is_stopped(mounted):
-    """Passthrough reads of a file already open, and names and attributes the kernel holds,
-    need neither daemon (docs/operations.md, Bounded I/O time)."""
+    """Passthrough reads of a file already open, read-only opens of a file hostd kept, and
+    names and attributes the kernel holds, need neither daemon (docs/operations.md, Bounded
+    I/O time)."""
     s = mounted(allow_log=DAEMON_STOPPED, hostd_settings={"daemon.request_timeout": "1s"})
     if "passthrough on" not in s.hostd.log.read_text():
         pytest.skip("the kernel did not negotiate FUSE passthrough here")
@@ -135,7 +136,13 @@ def test_what_the_kernel_answers_itself_goes_on_while_bluecached_is_stopped(moun
         os.kill(pid, signal.SIGSTOP)
         assert outcome(lambda: os.stat(path).st_size) == size
         assert outcome(os.pread, fd, len(data), 0) == data
-        assert outcome(os.open, path, os.O_RDONLY) == errno.EIO   # an OPEN reaches hostd
+        # a read-only open of it is answered by hostd from the memory it kept
+        again = os.open(path, os.O_RDONLY)
+        try:
+            assert outcome(os.pread, again, len(data), 0) == data
+        finally:
+            os.close(again)
+        assert outcome(os.open, path, os.O_WRONLY) == errno.EIO   # this one needs bluecached
     finally:
         _signal(pid, signal.SIGCONT)
         os.close(fd)

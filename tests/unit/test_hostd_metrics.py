@@ -2,6 +2,7 @@
 Operations counts, and how the exposition reads it."""
 
 import errno
+import os
 
 import pyfuse3
 import pytest
@@ -11,6 +12,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from bluecached.metrics import registry
 from hostd import ioctl_abi as abi
+from hostd.kept_backings import KeptBackings
 from hostd.metrics import BUCKETS, FuseCounts, HostdCollector, Latency
 
 
@@ -28,6 +30,7 @@ class Ops:
 class Link:
     bytes_copied = 7
     read_ahead = None
+    kept = None
 
     class staging:   # noqa: N801 - stands for the link's Staging
         @staticmethod
@@ -126,3 +129,22 @@ def test_histogram_buckets_are_cumulative_and_le_inclusive():
     assert buckets["0.0001"] == 2
     assert buckets["10.0"] == 2 and buckets["+Inf"] == 3
     assert h.total == pytest.approx(BUCKETS[0] * 2.5 + 100)
+
+
+def test_opens_answered_from_kept_files_are_counted():
+    kept = KeptBackings(limit=4, idle=60)
+    link = Link()
+    link.kept = kept
+    fd = os.memfd_create("kept")
+    try:
+        kept.keep(7, fd, 0, attr=None, generation=1, stamp=kept.stamp())
+        os.close(kept.take(7, 1)[0])
+        kept.refused_by_daemon(7, kept._kept[7].identity)
+    finally:
+        os.close(fd)
+    text = generate_latest(registry(HostdCollector(FuseCounts(), link))).decode()
+    s = {(m.name, tuple(m.labels.items())): m.value
+         for f in text_string_to_metric_families(text) for m in f.samples}
+    assert s[("bluecache_hostd_opens_kept", ())] == 0
+    assert s[("bluecache_hostd_opens_answered_kept_total", ())] == 1
+    assert s[("bluecache_hostd_opens_kept_refused_total", ())] == 1

@@ -56,9 +56,10 @@ class SilentDaemon:
         """As a daemon that exits: its end of the connection closes."""
         self.conn.shutdown(socket.SHUT_RDWR)
 
-    async def answer_held(self):
+    async def answer_held(self, result=None):
         for rid, _op in self.held:
-            await self.conn.send(protocol.encode_reply(rid, {"length": 0, "failed": []}))
+            await self.conn.send(protocol.encode_reply(
+                rid, result if result is not None else {"length": 0, "failed": []}))
         self.held.clear()
 
 
@@ -112,6 +113,39 @@ def test_slots_held_for_a_daemon_that_went_away_come_back(tmp_path):
             daemon, link = await held_read(nursery, path)
             daemon.hang_up()                            # it died: nothing can touch the slot
             await all_slots_free(link)
+            nursery.cancel_scope.cancel()
+
+    trio.run(main, strict_exception_groups=True)
+
+
+@pytest.mark.parametrize("op", ["open", "create"])
+def test_a_handle_opened_after_its_caller_gave_up_is_released(tmp_path, op):
+    """The kernel got EIO for an open (or create) the daemon then did after all: no kernel
+    will ever release the handle it made, so hostd does (it would hold the file open at the
+    daemon for good: never evicted, its memory never freed)."""
+    path = str(tmp_path / "control.seq")
+
+    async def main():
+        daemon = SilentDaemon(path)
+        client = LocalClient(path)
+        link = DaemonLink(client, None, slots=2, request_timeout=0.3, read_ahead=0)
+        async with trio.open_nursery() as nursery:
+            await nursery.start(daemon.serve)
+            await nursery.start(client.run)
+            await link.connect(timeout=5)
+            nursery.start_soon(link.forward_releases)
+            nursery.start_soon(link.watch)
+            with pytest.raises(RemoteError) as e:
+                if op == "open":
+                    await link.open(5, 0)
+                else:
+                    await link.create(1, b"new", 0o644, 0, 0, 0o1)
+            assert e.value.errno in (errno.ETIMEDOUT, errno.EIO)
+            daemon.silent = False
+            await daemon.answer_held({"fh": 42, "attr": {}})
+            with trio.fail_after(5):
+                while ("release", {"fh": 42}) not in daemon.seen:  # noqa: ASYNC110
+                    await trio.sleep(0.01)
             nursery.cancel_scope.cancel()
 
     trio.run(main, strict_exception_groups=True)

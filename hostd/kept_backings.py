@@ -1,0 +1,115 @@
+"""Read-only opens of files in DRAM, answered by hostd alone.
+
+A hit's OPEN through both daemons cost 0.4-0.75 ms on the 2-core VM, against 0.02 ms on tmpfs,
+and capped one vLLM reader at ~0.8x tmpfs (docs/benchmarks/hit-notes.md): it waits on two
+processes waking up, not on their work. The memfd bluecached lends for a passthrough read is
+never reused for another object's bytes, and changes only in place (Memfd.lent in
+bluecached/tiers/dram.py): while the object keeps it, an fd of it names the file's bytes. So
+hostd keeps that fd after the handles close, and answers the next read-only open of the inode
+with it at once. bluecached hears of the open right after (`open` with `kept`): it counts it as
+any open (LRU, atime, the remote tier's admission) and says whether the memfd is still the
+object's.
+
+An entry goes when
+- bluecached says the memfd left the object (event "left-dram": evicted, removed, unlinked),
+- this hostd opens the inode to write it or changes its attributes (`changing`),
+- bluecached's answer to a kept open says it is no longer the object's,
+- bluecached restarts (its memfds are not the new daemon's), or
+- the bound (`limit` entries, least recently used first) or `idle` seconds unused.
+A writer through another client of bluecached (not this hostd) is seen by the event or the next
+answer: readers served in between see the bytes as they were, as a reader that opened just
+before that write would.
+"""
+
+import os
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+
+
+@dataclass
+class Kept:
+    fd: int            # read-only, of bluecached's memfd
+    identity: list     # [st_dev, st_ino] of it
+    size: int
+    attr: object       # the file's Attr at the open that brought it
+    generation: int    # the link's, when it came
+    used: float
+
+
+class KeptBackings:
+    def __init__(self, limit: int, idle: float, clock=time.monotonic):
+        self.limit = limit
+        self.idle = idle
+        self.clock = clock
+        self._kept: OrderedDict[int, Kept] = OrderedDict()
+        self._changes = 0      # bumps at each `changing`: an open that spanned one keeps nothing
+        self.answered = 0      # opens answered from a kept memfd
+        self.refused = 0       # kept memfds bluecached said were no longer the file's
+
+    def __len__(self) -> int:
+        return len(self._kept)
+
+    def stamp(self) -> int:
+        """Taken before an open is sent: `keep` with it adds nothing if the inode changed
+        meanwhile (a write open racing this read's reply)."""
+        return self._changes
+
+    def keep(self, ino: int, fd: int, size: int, attr, generation: int, stamp: int) -> None:
+        """A read-only open brought `fd` of the file's memfd: a duplicate is kept (the
+        caller keeps `fd` for its handle)."""
+        if self.limit <= 0 or stamp != self._changes or ino in self._kept:
+            return
+        st = os.fstat(fd)
+        self._kept[ino] = Kept(os.dup(fd), [st.st_dev, st.st_ino], size, attr, generation,
+                               self.clock())
+        while len(self._kept) > self.limit:
+            self._close(self._kept.popitem(last=False)[1])
+
+    def take(self, ino: int, generation: int) -> tuple[int, Kept] | None:
+        """(a new fd of the kept memfd, the entry) for a read-only open of `ino`, or None."""
+        entry = self._kept.get(ino)
+        if entry is None:
+            return None
+        now = self.clock()
+        if entry.generation != generation or now - entry.used > self.idle:
+            self.drop(ino)
+            return None
+        entry.used = now
+        self._kept.move_to_end(ino)
+        self.answered += 1
+        return os.dup(entry.fd), entry
+
+    def changing(self, ino: int) -> None:
+        """This hostd is about to write `ino` or change its attributes."""
+        self._changes += 1
+        self.drop(ino)
+
+    def refused_by_daemon(self, ino: int, identity: list) -> None:
+        """bluecached's answer to a kept open: that memfd is not the file's any more."""
+        entry = self._kept.get(ino)
+        if entry is not None and entry.identity == identity:
+            self.refused += 1
+            self.drop(ino)
+
+    def drop(self, ino: int) -> None:
+        entry = self._kept.pop(ino, None)
+        if entry is not None:
+            self._close(entry)
+
+    def expire(self) -> None:
+        """Lets entries unused for `idle` seconds go (their memory is bluecached's to free)."""
+        now = self.clock()
+        while self._kept:
+            ino, entry = next(iter(self._kept.items()))
+            if now - entry.used <= self.idle:
+                break
+            self.drop(ino)
+
+    def clear(self) -> None:
+        while self._kept:
+            self._close(self._kept.popitem()[1])
+
+    @staticmethod
+    def _close(entry: Kept) -> None:
+        os.close(entry.fd)

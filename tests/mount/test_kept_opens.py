@@ -1,0 +1,145 @@
+"""Read-only opens answered by hostd alone from a memfd it kept (hostd/kept_backings.py): a
+file read before opens with bluecached stopped, a change through the mount is read by the
+next open, and hostd lets a kept file go when it leaves DRAM, is removed, or bluecached
+restarts."""
+
+import errno
+import os
+import signal
+import time
+
+import pytest
+from test_read_ahead import CHANGES, write_closed
+
+from support import MiB, pattern, wait_settled
+
+GONE = ["lost bluecached", "-> EIO"]
+
+
+def read(path) -> bytes:
+    with open(path, "rb") as f:
+        return f.read()
+
+
+def kept_memfds(s) -> int:
+    """How many of bluecached's object memfds hostd holds open (kept, or by open handles)."""
+    fds = f"/proc/{s.hostd.proc.pid}/fd"
+    n = 0
+    for fd in os.listdir(fds):
+        try:
+            n += os.readlink(f"{fds}/{fd}").startswith("/memfd:bluecache-object")
+        except FileNotFoundError:
+            pass
+    return n
+
+
+def until(condition, what: str, timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.02)
+
+
+def released(s) -> bool:
+    client = s.daemon.client()
+    try:
+        return client.call("stats")["open_handles"] == 0
+    finally:
+        client.close()
+
+
+def log_after_stop(s) -> str:
+    s.hostd.stop(timeout=30)
+    return s.hostd.log.read_text()
+
+
+@pytest.mark.parametrize("kept", [256, 0])
+def test_a_file_read_before_opens_while_bluecached_is_stopped(mounted, kept):
+    s = mounted(allow_log=GONE, hostd_settings={"daemon.request_timeout": "1s",
+                                                "mount.kept_opens": kept})
+    data = pattern("kept", 3 * MiB)
+    write_closed(s, s.mnt / "read.bin", data)
+    write_closed(s, s.mnt / "unread.bin", pattern("unread", MiB))
+    assert read(s.mnt / "read.bin") == data   # its memfd comes with this open, and stays
+    os.stat(s.mnt / "unread.bin")               # both names known to the kernel
+    until(lambda: released(s), "the reader's release")
+    s.daemon.proc.send_signal(signal.SIGSTOP)
+    try:
+        if kept:
+            assert read(s.mnt / "read.bin") == data
+        else:
+            with pytest.raises(OSError) as e:
+                read(s.mnt / "read.bin")
+            assert e.value.errno == errno.EIO
+        with pytest.raises(OSError) as e:   # never read: its open needs bluecached
+            read(s.mnt / "unread.bin")
+        assert e.value.errno == errno.EIO
+    finally:
+        s.daemon.proc.send_signal(signal.SIGCONT)
+    # bluecached never heard of the kept open in time (its deadline passed): nothing is
+    # open there, and hostd let the file go; the next open brings it again
+    until(lambda: released(s), "every handle's release at bluecached")
+    assert read(s.mnt / "read.bin") == data
+    assert read(s.mnt / "read.bin") == data
+    log = log_after_stop(s)
+    assert ("of them answered by hostd alone: 2" in log) if kept else ("alone" not in log)
+
+
+@pytest.mark.parametrize("change", CHANGES)
+def test_the_open_after_a_change_reads_the_change(mounted, change):
+    s = mounted()
+    path = str(s.mnt / "changing.bin")
+    old, new = os.urandom(4 * MiB), os.urandom(4 * MiB)
+    write_closed(s, path, old)
+    assert read(path) == old and read(path) == old   # the second answered by hostd
+    until(lambda: released(s), "the readers' releases")
+    expected = CHANGES[change](path, old, new)
+    until(lambda: released(s), "the change's release")
+    assert read(path) == expected, f"stale bytes after {change}"
+    assert read(path) == expected
+    assert "of them answered by hostd alone: " in log_after_stop(s)
+
+
+def test_a_file_that_leaves_dram_is_let_go(mounted):
+    s = mounted(**{"tiers.dram.size": "16MiB", "tiers.dram.prefault": "0"})
+    data = pattern("first", 4 * MiB)
+    write_closed(s, s.mnt / "first.bin", data)
+    wait_settled(s.daemon)
+    assert read(s.mnt / "first.bin") == data
+    until(lambda: released(s), "the reader's release")
+    assert kept_memfds(s) == 1
+    for i in range(4):   # 16 MiB more through a 16 MiB tier: first.bin is evicted to NVMe
+        write_closed(s, s.mnt / f"other{i}.bin", pattern(f"other{i}", 4 * MiB))
+        wait_settled(s.daemon)
+    until(lambda: kept_memfds(s) == 0, "hostd to let the evicted file's memory go")
+    assert read(s.mnt / "first.bin") == data    # a hit on NVMe now, byte-exact
+
+
+def test_a_removed_file_is_let_go(mounted):
+    s = mounted()
+    write_closed(s, s.mnt / "gone.bin", pattern("gone", MiB))
+    assert read(s.mnt / "gone.bin") == pattern("gone", MiB)
+    until(lambda: released(s), "the reader's release")
+    assert kept_memfds(s) == 1
+    client = s.daemon.client()
+    try:
+        assert client.call("evict", path="/gone.bin")["removed"] == 1
+    finally:
+        client.close()
+    until(lambda: kept_memfds(s) == 0, "hostd to let the removed file's memory go")
+    until(lambda: not (s.mnt / "gone.bin").exists(), "the name to go")   # the next event
+
+
+def test_a_bluecached_restart_lets_kept_files_go(mounted):
+    s = mounted(allow_log=GONE)
+    data = pattern("restart", 2 * MiB)
+    write_closed(s, s.mnt / "r.bin", data)
+    wait_settled(s.daemon)                      # written behind: it survives the kill
+    assert read(s.mnt / "r.bin") == data
+    until(lambda: released(s), "the reader's release")
+    assert kept_memfds(s) == 1
+    s.daemon.kill()
+    s.daemon.start()
+    until(lambda: os.path.exists(s.mnt / "r.bin"), "hostd to reconnect")
+    until(lambda: kept_memfds(s) == 0, "hostd to drop the old daemon's memory")
+    assert read(s.mnt / "r.bin") == data
