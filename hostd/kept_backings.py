@@ -21,10 +21,14 @@ answer: readers served in between see the bytes as they were, as a reader that o
 before that write would.
 """
 
+import logging
 import os
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
+
+log = logging.getLogger("hostd.kept_backings")
+WARN_EVERY_S = 60.0
 
 
 @dataclass
@@ -46,6 +50,7 @@ class KeptBackings:
         self._changes = 0      # bumps at each `changing`: an open that spanned one keeps nothing
         self.answered = 0      # opens answered from a kept memfd
         self.refused = 0       # kept memfds bluecached said were no longer the file's
+        self._warned = -WARN_EVERY_S
 
     def __len__(self) -> int:
         return len(self._kept)
@@ -60,9 +65,13 @@ class KeptBackings:
         caller keeps `fd` for its handle)."""
         if self.limit <= 0 or stamp != self._changes or ino in self._kept:
             return
-        st = os.fstat(fd)
-        self._kept[ino] = Kept(os.dup(fd), [st.st_dev, st.st_ino], size, attr, generation,
-                               self.clock())
+        try:   # never at the open's cost: out of fds, the open is simply not kept
+            st = os.fstat(fd)
+            self._kept[ino] = Kept(os.dup(fd), [st.st_dev, st.st_ino], size, attr, generation,
+                                   self.clock())
+        except OSError as e:
+            self._warn(e)
+            return
         while len(self._kept) > self.limit:
             self._close(self._kept.popitem(last=False)[1])
 
@@ -75,10 +84,15 @@ class KeptBackings:
         if entry.generation != generation or now - entry.used > self.idle:
             self.drop(ino)
             return None
+        try:
+            fd = os.dup(entry.fd)
+        except OSError as e:   # out of fds: bluecached answers this open
+            self._warn(e)
+            return None
         entry.used = now
         self._kept.move_to_end(ino)
         self.answered += 1
-        return os.dup(entry.fd), entry
+        return fd, entry
 
     def changing(self, ino: int) -> None:
         """This hostd is about to write `ino` or change its attributes."""
@@ -109,6 +123,13 @@ class KeptBackings:
     def clear(self) -> None:
         while self._kept:
             self._close(self._kept.popitem()[1])
+
+    def _warn(self, e: OSError) -> None:
+        now = self.clock()
+        if now - self._warned >= WARN_EVERY_S:
+            self._warned = now
+            log.warning("kept opens: %s (opens go to bluecached; raise LimitNOFILE or lower "
+                        "mount.kept_opens)", e.strerror or e)
 
     @staticmethod
     def _close(entry: Kept) -> None:

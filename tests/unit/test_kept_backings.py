@@ -2,6 +2,7 @@
 entry go. Real memfds; the clock is the test's."""
 
 import os
+import resource
 
 import pytest
 
@@ -122,3 +123,22 @@ def test_zero_keeps_nothing(files):
     kept = KeptBackings(limit=0, idle=60)
     kept.keep(1, files(b"x"), 1, None, 1, kept.stamp())
     assert len(kept) == 0
+
+
+def test_out_of_fds_an_open_is_neither_kept_nor_failed(files, caplog):
+    kept = KeptBackings(limit=4, idle=60)
+    kept.keep(1, files(b"x"), 1, None, 1, kept.stamp())
+    fd = files(b"y")
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    lowest_free = os.dup(0)
+    os.close(lowest_free)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (lowest_free, hard))   # every fd below it taken
+    try:   # no fd to spare: nothing kept, and nothing handed out (bluecached answers)
+        kept.keep(2, fd, 1, None, 1, kept.stamp())
+        assert kept.take(1, 1) is None
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    assert len(kept) == 1 and kept.take(2, 1) is None
+    os.close(kept.take(1, 1)[0])
+    assert "kept opens: Too many open files" in caplog.text
+    kept.clear()
