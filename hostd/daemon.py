@@ -150,7 +150,8 @@ async def run(cfg, path: Path | None, notifier, assignments: list[str] | None = 
                       cfg.doca, ack_staged=cfg.mount.write_ack == "staged",
                       read_ahead=cfg.mount.read_ahead,
                       kept=KeptBackings(cfg.mount.kept_opens, cfg.mount.kept_idle)
-                      if cfg.mount.passthrough and cfg.mount.kept_opens else None)
+                      if cfg.mount.passthrough and cfg.mount.kept_opens else None,
+                      large_reads=cfg.mount.max_pages * 4096)
     features = FuseFeatures(SHIM, cfg.mount) if SHIM is not None else None
     ops = Operations(link, Timeouts(cfg.mount.entry_timeout, cfg.mount.attr_timeout,
                                     cfg.mount.negative_timeout),

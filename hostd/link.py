@@ -47,6 +47,7 @@ SLOT_SIZE = 1 << 20
 SLOT_HEAD = mmap.PAGESIZE
 SLOT_STRIDE = SLOT_HEAD + SLOT_SIZE + mmap.PAGESIZE
 PING_INTERVAL = 1.0
+LARGE_BUFFERS = 16   # reads larger than a slot in flight at once, read-ahead's included
 # pyfuse3 >= 3.3 replies to a read from any buffer; Debian's 3.2 needs bytes.
 _READ_TAKES_BUFFER = tuple(int(x) for x in pyfuse3.__version__.split(".")[:2]) >= (3, 3)
 
@@ -82,16 +83,25 @@ def _write_kills(fh: int, offset: int) -> bool:
 
 
 class Staging:
-    """Fixed 1 MiB slots in one shared region (fusefs' `StagingSlots`)."""
+    """Fixed 1 MiB slots in one shared region (fusefs' `StagingSlots`), and after them
+    `large` buffers of `large_size` bytes each, contiguous, for reads larger than a slot
+    (mount.max_pages above 256): one daemon request and one reply per kernel request, no
+    copy. A large buffer is numbered after the slots (slots + j) and given back with give()
+    and held with hold() as a slot is."""
 
     stride = SLOT_STRIDE
     head = SLOT_HEAD
 
-    def __init__(self, slots: int):
+    def __init__(self, slots: int, large: int = 0, large_size: int = 0):
         self.slots = slots
-        self.region = SharedRegion(slots * SLOT_STRIDE, "bluecache-staging")
+        self.large = large if large_size > SLOT_SIZE else 0
+        self.large_size = large_size if self.large else 0
+        self.region = SharedRegion(slots * SLOT_STRIDE + self.large * self.large_size,
+                                   "bluecache-staging")
         self._free = list(range(slots))
         self._available = trio.Semaphore(slots)
+        self._large_free = list(range(slots, slots + self.large))
+        self._large_available = trio.Semaphore(self.large)
         self.region_id = 0
         self.wait_limit: float | None = None   # take() gives up after this (DaemonLink sets it)
         # Slots named by requests bluecached may still serve (hold), and those of them given
@@ -112,6 +122,27 @@ class Staging:
                                                "for requests bluecached has not answered)")
         return slot
 
+    async def take_large(self) -> int:
+        """A free large buffer, waiting as take() does."""
+        got = self.take_large_nowait()
+        if got >= 0:
+            return got
+        with trio.move_on_after(self.wait_limit if self.wait_limit else math.inf):
+            await self._large_available.acquire()
+            return self._large_free.pop()
+        raise RemoteError(errno.ETIMEDOUT, f"no large read buffer free within "
+                                           f"{self.wait_limit:g}s")
+
+    def take_large_nowait(self) -> int:
+        try:
+            self._large_available.acquire_nowait()
+        except trio.WouldBlock:
+            return -1
+        return self._large_free.pop()
+
+    def free_large(self) -> int:
+        return len(self._large_free)
+
     def take_nowait(self) -> int:
         """A free slot, or -1 when all are taken."""
         try:
@@ -123,6 +154,10 @@ class Staging:
     def give(self, slot: int) -> None:
         if slot in self._holds:
             self._parked.add(slot)
+            return
+        if slot >= self.slots:
+            self._large_free.append(slot)
+            self._large_available.release()
             return
         self._free.append(slot)
         self._available.release()
@@ -152,10 +187,21 @@ class Staging:
         """Where slot 0 starts in this process; the map stays put until DaemonLink.close()."""
         return ctypes.addressof(ctypes.c_char.from_buffer(self.region.map))
 
-    @staticmethod
-    def offset(slot: int) -> int:
-        """Where the slot's payload starts in the region."""
-        return slot * SLOT_STRIDE + SLOT_HEAD
+    def offset(self, slot: int) -> int:
+        """Where the slot's payload (or large buffer) starts in the region."""
+        if slot < self.slots:
+            return slot * SLOT_STRIDE + SLOT_HEAD
+        return self.slots * SLOT_STRIDE + (slot - self.slots) * self.large_size
+
+    def slot_at(self, offset: int) -> int | None:
+        """The slot or large buffer holding region offset `offset`, if any."""
+        end_of_slots = self.slots * SLOT_STRIDE
+        if 0 <= offset < end_of_slots:
+            return (offset - SLOT_HEAD) // SLOT_STRIDE if offset >= SLOT_HEAD else None
+        if self.large and offset >= end_of_slots:
+            j = (offset - end_of_slots) // self.large_size
+            return self.slots + j if j < self.large else None
+        return None
 
     def view(self, slot: int, length: int) -> memoryview:
         start = self.offset(slot)
@@ -192,7 +238,8 @@ class OpenFile:
 class DaemonLink:
     def __init__(self, client: AsyncClient, regions_path: str | None, slots: int,
                  request_timeout: float, doca_settings=None, ack_staged: bool = False,
-                 read_ahead: int = 4, kept: KeptBackings | None = None):
+                 read_ahead: int = 4, kept: KeptBackings | None = None,
+                 large_reads: int = 0):
         self.client = client
         self.regions_path = regions_path
         self.doca_settings = doca_settings   # hostd.yaml's doca section
@@ -213,7 +260,9 @@ class DaemonLink:
         self.wants_backing = lambda: False
         self._backings: dict[int, tuple[int, int]] = {}   # fh: (fd, size) the open brought
         self._staging_export = None
-        self.staging = Staging(slots)
+        # `large_reads`: the largest read the kernel may send (mount.max_pages); above a slot,
+        # LARGE_BUFFERS buffers that size serve them whole
+        self.staging = Staging(slots, LARGE_BUFFERS, large_reads)
         self.request_timeout = request_timeout
         self.staging.wait_limit = request_timeout
         self._held_for: dict[int, list[int]] = {}   # request id -> staging slots it named
@@ -335,7 +384,8 @@ class DaemonLink:
         if args.get("region") not in self._staging_regions:
             return   # not staging: a zero-copy transfer names the caller's own memory
         offsets = args.get("region_offsets") or [args.get("region_offset")]
-        slots = [(o - SLOT_HEAD) // SLOT_STRIDE for o in offsets if isinstance(o, int)]
+        slots = [self.staging.slot_at(o) for o in offsets if isinstance(o, int)]
+        slots = [slot for slot in slots if slot is not None]
         if slots:
             self._held_for[rid] = slots
             self.staging.hold(slots)
@@ -620,6 +670,8 @@ class DaemonLink:
         f = self._files.get(fh)
         if f is not None:
             await self.inflight.settled(f.ino)
+        if SLOT_SIZE < size <= self.staging.large_size:
+            return await self._read_large(fh, f, offset, size)
         ahead = self.read_ahead if f is not None and size <= SLOT_SIZE else None
         if ahead is not None:
             ready = await ahead.take(fh, offset, self.generation)
@@ -650,6 +702,29 @@ class DaemonLink:
             size -= n
             if n < piece or size == 0:
                 return bytes(out)
+
+    async def _read_large(self, fh, f: OpenFile | None, offset: int, size: int):
+        """A read larger than a slot, whole into a large buffer: one daemon request, answered
+        from the buffer (as a slot's read), read ahead by the request's size."""
+        ahead = self.read_ahead if f is not None else None
+        ready = None
+        if ahead is not None:
+            ready = await ahead.take(fh, offset, self.generation, size)
+        if ready is not None:
+            buffer, n = ready
+        else:
+            buffer = await self.staging.take_large()
+            try:
+                n = await self._read_into(fh, offset, buffer, size)
+            except BaseException:
+                self.staging.give(buffer)
+                raise
+        try:
+            if ahead is not None and n == size:
+                ahead.start(fh, f.ino, offset + n, f.size_at_open, self.generation, size)
+            return self._answer_from(buffer, min(n, size))
+        finally:
+            self.staging.give(buffer)
 
     async def _read_into(self, fh, offset: int, slot: int, length: int = SLOT_SIZE) -> int:
         return (await self.call("read", host_fh=fh, offset=offset, length=length,

@@ -14,6 +14,10 @@ for a file that has a writable handle open, and a read ahead still unserved when
 handle opens or closes, or when a setattr begins or ends, is marked stale and thrown away
 rather than served. A daemon restart throws away all. Read-ahead takes a slot only while at
 least half of them are free, so it never makes a write or a read wait for a slot.
+
+Reads larger than a slot (mount.max_pages above 256) are read ahead the same way, a request's
+size at a time, into the staging region's large buffers (Staging.large): the piece size is the
+one of the read that started it, and a read of another size starts again.
 """
 
 from collections import deque
@@ -31,6 +35,7 @@ class _Fetch:
     offset: int
     slot: int
     generation: int    # the daemon connection it was read from
+    piece: int         # bytes asked for: a slot's, or a large buffer's
     done: trio.Event = field(default_factory=trio.Event)
     length: int = -1
     failed: bool = False
@@ -39,9 +44,9 @@ class _Fetch:
 
 
 class ReadAhead:
-    """Up to `depth` consecutive slots read ahead per open handle. `fetch(fh, offset, slot)`
-    asks the daemon for a slot's worth at `offset` into `slot` and returns the bytes it put
-    there."""
+    """Up to `depth` consecutive pieces read ahead per open handle. `fetch(fh, offset, slot,
+    length)` asks the daemon for `length` bytes at `offset` into staging slot (or large
+    buffer) `slot` and returns the bytes it put there."""
 
     def __init__(self, staging, fetch, slot_size: int, depth: int = 4, max_readers: int = 2):
         self.staging = staging
@@ -95,14 +100,16 @@ class ReadAhead:
 
     # -- reads ---------------------------------------------------------------------------------
 
-    async def take(self, fh: int, offset: int, generation: int) -> tuple[int, int] | None:
-        """(slot, bytes in it) read ahead for `fh` at `offset`, or None. The caller gives
-        the slot back."""
+    async def take(self, fh: int, offset: int, generation: int,
+                   piece: int | None = None) -> tuple[int, int] | None:
+        """(slot, bytes in it) read ahead for `fh` at `offset`, `piece` bytes asked for (a
+        slot's by default), or None. The caller gives the slot back."""
         window = self._pending.get(fh)
         if not window:
             return None
         f = window[0]
-        if f.offset != offset or not self._current(f, generation):
+        if (f.offset != offset or f.piece != (piece or self.slot_size)
+                or not self._current(f, generation)):
             self._drop(self._pending.pop(fh))   # not sequential any more: start again
             return None
         window.popleft()
@@ -117,25 +124,31 @@ class ReadAhead:
         self.served += 1
         return f.slot, f.length
 
-    def start(self, fh: int, ino: int, end: int, size: int, generation: int) -> None:
-        """After a full read ending at `end`: keep `depth` slots' worth read ahead, while
-        slots are to spare, nothing can change the file meanwhile and the file goes on.
+    def start(self, fh: int, ino: int, end: int, size: int, generation: int,
+              piece: int | None = None) -> None:
+        """After a full read ending at `end`: keep `depth` pieces read ahead (a slot each,
+        or with `piece` larger than a slot, large buffers: at most 2), while they are to
+        spare, nothing can change the file meanwhile and the file goes on.
         `size` is the file's size when the handle was opened: while no writer is open it is
         the size (a writer opening makes all read ahead stale), and after one closed it is
         only a hint, so reads past it are simply not read ahead."""
         if self.nursery is None or self._writers.get(ino) or self.readers > self.max_readers:
             return
+        piece = piece or self.slot_size
+        large = piece > self.slot_size
+        depth = min(self.depth, 2) if large else self.depth
         window = self._pending.setdefault(fh, deque())
-        while len(window) < self.depth and self.staging.free() * 2 >= self.staging.slots:
-            if window and window[-1].done.is_set() and window[-1].length < self.slot_size:
+        while len(window) < depth and (self.staging.free_large() > 1 if large else
+                                       self.staging.free() * 2 >= self.staging.slots):
+            if window and window[-1].done.is_set() and window[-1].length < window[-1].piece:
                 break   # the file ends there
-            offset = window[-1].offset + self.slot_size if window else end
+            offset = window[-1].offset + window[-1].piece if window else end
             if offset >= size:
                 break
-            slot = self.staging.take_nowait()
+            slot = self.staging.take_large_nowait() if large else self.staging.take_nowait()
             if slot < 0:
                 break
-            f = _Fetch(fh, ino, offset, slot, generation)
+            f = _Fetch(fh, ino, offset, slot, generation, piece)
             window.append(f)
             self.nursery.start_soon(self._run, f)
         if not window:
@@ -143,7 +156,7 @@ class ReadAhead:
 
     async def _run(self, f: _Fetch) -> None:
         try:
-            f.length = await self.fetch(f.fh, f.offset, f.slot)
+            f.length = await self.fetch(f.fh, f.offset, f.slot, f.piece)
         except RemoteError:
             f.failed = True
         finally:

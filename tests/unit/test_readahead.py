@@ -18,16 +18,24 @@ BIG = 1 << 40   # a file size read-ahead never reaches
 class FakeStaging:
     """The link's Staging as ReadAhead uses it: take_nowait, give, free, slots."""
 
-    def __init__(self, slots: int = 16):
+    def __init__(self, slots: int = 16, large: int = 4):
         self.slots = slots
         self._free = list(range(slots))
+        self._large = list(range(slots, slots + large))
+        self.large = large
 
     def take_nowait(self) -> int:
         return self._free.pop() if self._free else -1
 
+    def take_large_nowait(self) -> int:
+        return self._large.pop() if self._large else -1
+
+    def free_large(self) -> int:
+        return len(self._large)
+
     def give(self, slot: int) -> None:
-        assert slot not in self._free, f"slot {slot} given back twice"
-        self._free.append(slot)
+        assert slot not in self._free + self._large, f"slot {slot} given back twice"
+        (self._large if slot >= self.slots else self._free).append(slot)
 
     def free(self) -> int:
         return len(self._free)
@@ -42,12 +50,12 @@ class FakeDaemon:
         self.error: RemoteError | None = None
         self.file_size = file_size
 
-    async def fetch(self, fh, offset, slot) -> int:
+    async def fetch(self, fh, offset, slot, length=None) -> int:
         self.asked.append(offset)
         await self.release.wait()
         if self.error is not None:
             raise self.error
-        return max(0, min(SLOT, self.file_size - offset))
+        return max(0, min(length or SLOT, self.file_size - offset))
 
 
 def run(test, depth: int = 1, file_size: int = 1 << 40):
@@ -64,7 +72,7 @@ def run(test, depth: int = 1, file_size: int = 1 << 40):
         for fh in list(ahead._pending):      # what a release would do with the rest
             ahead.closed(fh, INO, writable=False)
     trio.run(main)
-    assert staging.free() == staging.slots
+    assert staging.free() == staging.slots and staging.free_large() == staging.large
 
 
 def test_the_next_read_at_the_offset_read_ahead_is_served_from_its_slot():
@@ -204,3 +212,32 @@ def test_no_read_ahead_while_more_than_two_files_are_open_for_reading():
         await trio.testing.wait_all_tasks_blocked()
         assert daemon.asked == [SLOT]
     run(test)
+
+
+def test_reads_larger_than_a_slot_are_read_ahead_by_their_size_into_large_buffers():
+    piece = 4 * SLOT
+
+    async def test(ahead, staging, daemon):
+        ahead.start(FH, INO, piece, BIG, GEN, piece)
+        await trio.testing.wait_all_tasks_blocked()
+        assert sorted(daemon.asked) == [piece, 2 * piece]   # at most 2 large buffers ahead
+        assert staging.free() == staging.slots and staging.free_large() == staging.large - 2
+        daemon.release.set()
+        slot, length = await ahead.take(FH, piece, GEN, piece)
+        assert slot >= staging.slots and length == piece
+        staging.give(slot)
+        # a read of another size at the next offset: not what was read ahead, thrown away
+        assert await ahead.take(FH, 2 * piece, GEN) is None
+        assert ahead.wasted == 1
+    run(test, depth=4)
+
+
+def test_large_read_ahead_leaves_one_large_buffer_to_readers():
+    async def test(ahead, staging, daemon):
+        taken = [staging.take_large_nowait() for _ in range(staging.large - 2)]
+        ahead.start(FH, INO, 4 * SLOT, BIG, GEN, 4 * SLOT)
+        await trio.testing.wait_all_tasks_blocked()
+        assert daemon.asked == [4 * SLOT] and staging.free_large() == 1
+        for slot in taken:
+            staging.give(slot)
+    run(test, depth=4)

@@ -186,3 +186,41 @@ def test_a_file_whose_staged_write_failed_is_dropped_first_thing_when_the_daemon
             nursery.cancel_scope.cancel()
 
     trio.run(main, strict_exception_groups=True)
+
+
+def test_large_read_buffers_sit_after_the_slots_and_are_held_as_slots():
+    """Reads larger than a slot (mount.max_pages) go whole into large buffers after the
+    slots: a buffer named by an unanswered request is held as a slot is."""
+    from hostd.link import SLOT_SIZE, SLOT_STRIDE, Staging
+
+    async def main():
+        staging = Staging(4, large=2, large_size=4 * SLOT_SIZE)
+        try:
+            assert len(staging.region.view) == 4 * SLOT_STRIDE + 2 * 4 * SLOT_SIZE
+            buffers = [await staging.take_large(), await staging.take_large()]
+            assert sorted(buffers) == [4, 5] and staging.take_large_nowait() == -1
+            for b in buffers:   # contiguous, inside the region, after every slot
+                assert staging.offset(b) >= 4 * SLOT_STRIDE
+                assert staging.slot_at(staging.offset(b)) == b
+                assert len(staging.view(b, 4 * SLOT_SIZE)) == 4 * SLOT_SIZE
+            assert staging.slot_at(staging.offset(3)) == 3
+            staging.hold([buffers[0]])
+            staging.give(buffers[0])
+            staging.give(buffers[1])
+            assert staging.free_large() == 1          # the held one waits for its reply
+            staging.release([buffers[0]])
+            assert staging.free_large() == 2 and staging.free() == 4
+        finally:
+            staging.region.close()
+
+    trio.run(main, strict_exception_groups=True)
+
+
+def test_no_large_buffers_for_reads_of_a_slot():
+    from hostd.link import SLOT_SIZE, Staging
+    staging = Staging(2, large=16, large_size=SLOT_SIZE)   # mount.max_pages 256: none
+    try:
+        assert staging.large == staging.large_size == staging.free_large() == 0
+        assert staging.take_large_nowait() == -1
+    finally:
+        staging.region.close()
