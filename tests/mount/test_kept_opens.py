@@ -5,7 +5,9 @@ restarts."""
 
 import errno
 import os
+import re
 import signal
+import threading
 import time
 
 import pytest
@@ -143,3 +145,44 @@ def test_a_bluecached_restart_lets_kept_files_go(mounted):
     until(lambda: os.path.exists(s.mnt / "r.bin"), "hostd to reconnect")
     until(lambda: kept_memfds(s) == 0, "hostd to drop the old daemon's memory")
     assert read(s.mnt / "r.bin") == data
+
+
+def test_readers_racing_replacements_never_get_a_replaced_files_bytes(mounted):
+    """vLLM's publish (write a temporary, rename it over the block) while readers reopen the
+    block again and again: a kept memfd is the old inode's, so an open after the rename reads
+    the new bytes, and every read is one whole version."""
+    s = mounted()
+    path = s.mnt / "block.bin"
+    versions = [pattern(f"v{i}", 2 * MiB) for i in range(12)]
+    write_closed(s, path, versions[0])
+    published = [0]   # the newest version whose rename has returned
+    stop = threading.Event()
+    problems = []
+
+    def reader():
+        while not stop.is_set():
+            floor = published[0]
+            got = read(path)
+            if got not in versions:
+                problems.append("a read mixed versions")
+            elif versions.index(got) < floor:
+                problems.append(f"version {versions.index(got)} read after {floor} was published")
+
+    threads = [threading.Thread(target=reader) for _ in range(3)]
+    for t in threads:
+        t.start()
+    try:
+        for i, data in enumerate(versions[1:], start=1):
+            tmp = s.mnt / f"block.bin.{i}.tmp"
+            tmp.write_bytes(data)
+            os.replace(tmp, path)
+            published[0] = i
+            time.sleep(0.05)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(timeout=60)
+    assert not problems, problems[:3]
+    assert read(path) == versions[-1]
+    answered = re.search(r"answered by hostd alone: (\d+)", log_after_stop(s))
+    assert answered and int(answered.group(1)) > 0   # the race was with kept opens
