@@ -25,8 +25,15 @@ import os
 import time
 from dataclasses import dataclass, field
 
+import trio
+
 log = logging.getLogger("fusefs.passthrough")
 WARN_EVERY_S = 60.0
+# How long an inode's backing id outlives its last handle. The kernel lets go of the inode's
+# backing file only when that handle's RELEASE is done, after hostd has handled it: an open in
+# between naming a new backing id is refused with EIO (fs/fuse/iomode.c: one backing file per
+# inode), one naming the same id is taken. So the id is kept that long and reused.
+BACKING_GRACE_S = 1.0
 
 
 @dataclass
@@ -38,10 +45,13 @@ class _Backing:
 
 
 class Passthrough:
-    def __init__(self, shim):
-        """`shim`: the fuse shim's cffi module, loaded before pyfuse3 (hostd does)."""
+    def __init__(self, shim, grace: float = BACKING_GRACE_S):
+        """`shim`: the fuse shim's cffi module, loaded before pyfuse3 (hostd does). `grace`:
+        how long an inode's backing id is kept after its last handle (BACKING_GRACE_S)."""
         self.lib = shim.lib
+        self.grace = grace
         self.inodes: dict[int, _Backing] = {}
+        self._idle: dict[int, tuple[_Backing, float]] = {}   # ino: (backing, since when)
         self.handles: dict[int, tuple[int, int | None]] = {}   # fh: (inode, fd the cache gave)
         self.served = 0      # opens answered with a passthrough read
         self.declined = 0    # read-only opens served by the cache instead
@@ -90,10 +100,30 @@ class Passthrough:
         backing.handles.discard(fh)
         if not backing.handles:
             del self.inodes[ino]
-            err = self.lib.bc_backing_close(backing.backing_id)
-            if err < 0:
-                self._warn("close", "closing backing id %d: %s", backing.backing_id,
-                           os.strerror(-err))
+            if self.grace > 0:
+                self._idle[ino] = (backing, time.monotonic())
+            else:
+                self._close(backing)
+        self.sweep()
+
+    def sweep(self) -> None:
+        """Closes the backing ids kept past their inode's last handle for `grace`."""
+        now = time.monotonic()
+        for ino, (backing, since) in list(self._idle.items()):
+            if now - since >= self.grace:
+                del self._idle[ino]
+                self._close(backing)
+
+    async def sweep_every(self, interval: float) -> None:
+        while True:
+            await trio.sleep(interval)
+            self.sweep()
+
+    def _close(self, backing: _Backing) -> None:
+        err = self.lib.bc_backing_close(backing.backing_id)
+        if err < 0:
+            self._warn("close", "closing backing id %d: %s", backing.backing_id,
+                       os.strerror(-err))
 
     # -- helpers ---------------------------------------------------------------------------
 
@@ -110,6 +140,12 @@ class Passthrough:
     def _register(self, ino: int, fh: int, fd: int | None, file: tuple[int, int] | None,
                   writing: bool) -> None:
         backing = self.inodes.get(ino)
+        if backing is None and ino in self._idle and file is not None:
+            idle, _ = self._idle.pop(ino)
+            if idle.file == file:   # the same memfd: its id, which the kernel may still hold
+                backing = self.inodes[ino] = idle
+            else:
+                self._close(idle)
         if backing is None:
             if file is None:
                 if not writing:
