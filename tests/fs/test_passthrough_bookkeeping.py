@@ -57,7 +57,7 @@ def shim():
 
 @pytest.fixture
 def ops(cache, shim):
-    return Operations(cache, TIMEOUTS, Passthrough(shim))
+    return Operations(cache, TIMEOUTS, Passthrough(shim, grace=0))   # ids closed at release
 
 
 @pytest.fixture
@@ -181,7 +181,7 @@ def test_a_cache_without_backing_falls_back(cache, shim):
                 raise AttributeError(name)
             return getattr(cache, name)
 
-    kernel = Kernel(Operations(Plain(), TIMEOUTS, Passthrough(shim)))
+    kernel = Kernel(Operations(Plain(), TIMEOUTS, Passthrough(shim, grace=0)))
     ino = kernel.write_file(ROOT, b"f", b"data")
     fh = _open(kernel, ino)
     assert not shim.lib.replies
