@@ -82,6 +82,42 @@ def _write_kills(fh: int, offset: int) -> bool:
     return bool(_take_write_kill(fh, offset))
 
 
+class _Pool:
+    """Numbered buffers to take and give back; taking waits at most `wait_limit`."""
+
+    def __init__(self, numbers, what: str):
+        self.what = what
+        self._free = list(numbers)
+        self._available = trio.Semaphore(len(self._free))
+
+    def take_nowait(self) -> int:
+        try:
+            self._available.acquire_nowait()
+        except trio.WouldBlock:
+            return -1
+        return self._free.pop()
+
+    async def take(self, wait_limit: float | None, held: int) -> int:
+        got = self.take_nowait()
+        if got >= 0:
+            return got
+        # Every one is in use, or held for a daemon that does not answer: a request waits no
+        # longer for one than it would wait for the daemon.
+        with trio.move_on_after(wait_limit if wait_limit else math.inf):
+            await self._available.acquire()
+            return self._free.pop()
+        raise RemoteError(errno.ETIMEDOUT, f"no {self.what} free within {wait_limit:g}s "
+                                           f"({held} held for requests bluecached has not "
+                                           "answered)")
+
+    def give(self, number: int) -> None:
+        self._free.append(number)
+        self._available.release()
+
+    def free(self) -> int:
+        return len(self._free)
+
+
 class Staging:
     """Fixed 1 MiB slots in one shared region (fusefs' `StagingSlots`), and after them
     `large` buffers of `large_size` bytes each, contiguous, for reads larger than a slot
@@ -98,10 +134,8 @@ class Staging:
         self.large_size = large_size if self.large else 0
         self.region = SharedRegion(slots * SLOT_STRIDE + self.large * self.large_size,
                                    "bluecache-staging")
-        self._free = list(range(slots))
-        self._available = trio.Semaphore(slots)
-        self._large_free = list(range(slots, slots + self.large))
-        self._large_available = trio.Semaphore(self.large)
+        self._slots = _Pool(range(slots), "staging slot")
+        self._large = _Pool(range(slots, slots + self.large), "large read buffer")
         self.region_id = 0
         self.wait_limit: float | None = None   # take() gives up after this (DaemonLink sets it)
         # Slots named by requests bluecached may still serve (hold), and those of them given
@@ -110,57 +144,27 @@ class Staging:
         self._parked: set[int] = set()
 
     async def take(self) -> int:
-        slot = self.take_nowait()
-        if slot < 0:
-            # Every slot is in use, or held for a daemon that does not answer: a request
-            # waits no longer for one than it would wait for the daemon.
-            with trio.move_on_after(self.wait_limit if self.wait_limit else math.inf):
-                await self._available.acquire()
-                return self._free.pop()
-            raise RemoteError(errno.ETIMEDOUT, f"no staging slot free within "
-                                               f"{self.wait_limit:g}s ({len(self._holds)} held "
-                                               "for requests bluecached has not answered)")
-        return slot
-
-    async def take_large(self) -> int:
-        """A free large buffer, waiting as take() does."""
-        got = self.take_large_nowait()
-        if got >= 0:
-            return got
-        with trio.move_on_after(self.wait_limit if self.wait_limit else math.inf):
-            await self._large_available.acquire()
-            return self._large_free.pop()
-        raise RemoteError(errno.ETIMEDOUT, f"no large read buffer free within "
-                                           f"{self.wait_limit:g}s")
-
-    def take_large_nowait(self) -> int:
-        try:
-            self._large_available.acquire_nowait()
-        except trio.WouldBlock:
-            return -1
-        return self._large_free.pop()
-
-    def free_large(self) -> int:
-        return len(self._large_free)
+        return await self._slots.take(self.wait_limit, len(self._holds))
 
     def take_nowait(self) -> int:
         """A free slot, or -1 when all are taken."""
-        try:
-            self._available.acquire_nowait()
-        except trio.WouldBlock:
-            return -1
-        return self._free.pop()
+        return self._slots.take_nowait()
+
+    async def take_large(self) -> int:
+        """A free large buffer, waiting as take() does."""
+        return await self._large.take(self.wait_limit, len(self._holds))
+
+    def take_large_nowait(self) -> int:
+        return self._large.take_nowait()
+
+    def free_large(self) -> int:
+        return self._large.free()
 
     def give(self, slot: int) -> None:
         if slot in self._holds:
             self._parked.add(slot)
             return
-        if slot >= self.slots:
-            self._large_free.append(slot)
-            self._large_available.release()
-            return
-        self._free.append(slot)
-        self._available.release()
+        (self._large if slot >= self.slots else self._slots).give(slot)
 
     def hold(self, slots) -> None:
         """`slots` are named by a request sent to bluecached whose caller stopped waiting
@@ -181,7 +185,7 @@ class Staging:
                 self.give(slot)
 
     def free(self) -> int:
-        return len(self._free)
+        return self._slots.free()
 
     def address(self) -> int:
         """Where slot 0 starts in this process; the map stays put until DaemonLink.close()."""
