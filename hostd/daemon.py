@@ -36,7 +36,7 @@ from fusefs import Operations, Timeouts  # noqa: E402
 from fusefs.inplace import InPlaceWrites  # noqa: E402
 from fusefs.ioctl import IoctlDispatch  # noqa: E402
 
-from . import config  # noqa: E402
+from . import config, huge_pages  # noqa: E402
 from . import metrics as hostd_metrics  # noqa: E402
 from .fuse_features import FuseFeatures  # noqa: E402
 from .fuse_log import answer_to_a_gone_connection  # noqa: E402
@@ -151,7 +151,8 @@ async def run(cfg, path: Path | None, notifier, assignments: list[str] | None = 
                       read_ahead=cfg.mount.read_ahead,
                       kept=KeptBackings(cfg.mount.kept_opens, cfg.mount.kept_idle)
                       if cfg.mount.passthrough and cfg.mount.kept_opens else None,
-                      large_reads=cfg.mount.max_pages * 4096)
+                      large_reads=cfg.mount.max_pages * 4096,
+                      huge_staging=cfg.mount.huge_pages and huge_pages.allow_advised())
     features = FuseFeatures(SHIM, cfg.mount) if SHIM is not None else None
     ops = Operations(link, Timeouts(cfg.mount.entry_timeout, cfg.mount.attr_timeout,
                                     cfg.mount.negative_timeout),

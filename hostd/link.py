@@ -128,12 +128,14 @@ class Staging:
     stride = SLOT_STRIDE
     head = SLOT_HEAD
 
-    def __init__(self, slots: int, large: int = 0, large_size: int = 0):
+    def __init__(self, slots: int, large: int = 0, large_size: int = 0, huge: bool = False):
+        """`huge`: on 2 MiB pages (hostd/huge_pages.py: NVMe hits are read into it by
+        O_DIRECT)."""
         self.slots = slots
         self.large = large if large_size > SLOT_SIZE else 0
         self.large_size = large_size if self.large else 0
         self.region = SharedRegion(slots * SLOT_STRIDE + self.large * self.large_size,
-                                   "bluecache-staging")
+                                   "bluecache-staging", huge=huge)
         self._slots = _Pool(range(slots), "staging slot")
         self._large = _Pool(range(slots, slots + self.large), "large read buffer")
         self.region_id = 0
@@ -243,7 +245,7 @@ class DaemonLink:
     def __init__(self, client: AsyncClient, regions_path: str | None, slots: int,
                  request_timeout: float, doca_settings=None, ack_staged: bool = False,
                  read_ahead: int = 4, kept: KeptBackings | None = None,
-                 large_reads: int = 0):
+                 large_reads: int = 0, huge_staging: bool = False):
         self.client = client
         self.regions_path = regions_path
         self.doca_settings = doca_settings   # hostd.yaml's doca section
@@ -266,7 +268,7 @@ class DaemonLink:
         self._staging_export = None
         # `large_reads`: the largest read the kernel may send (mount.max_pages); above a slot,
         # LARGE_BUFFERS buffers that size serve them whole
-        self.staging = Staging(slots, LARGE_BUFFERS, large_reads)
+        self.staging = Staging(slots, LARGE_BUFFERS, large_reads, huge_staging)
         self.request_timeout = request_timeout
         self.staging.wait_limit = request_timeout
         self._held_for: dict[int, list[int]] = {}   # request id -> staging slots it named
