@@ -690,6 +690,10 @@ class DaemonLink:
                 finally:
                     self.staging.give(slot)
         out = bytearray() if size > SLOT_SIZE else None
+        if ahead is not None and size == SLOT_SIZE:
+            # beside this read, not after it: the disk (an NVMe hit) starts on what follows
+            # while this piece is still on its way, as it would for a plain file's read
+            ahead.start(fh, f.ino, offset + size, f.size_at_open, self.generation)
         while True:
             piece = min(size, SLOT_SIZE)
             slot = await self.staging.take()
@@ -719,6 +723,8 @@ class DaemonLink:
         if ready is not None:
             buffer, n = ready
         else:
+            if ahead is not None:   # beside this read (read())
+                ahead.start(fh, f.ino, offset + size, f.size_at_open, self.generation, size)
             buffer = await self.staging.take_large()
             try:
                 n = await self._read_into(fh, offset, buffer, size)

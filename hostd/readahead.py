@@ -3,8 +3,9 @@ the current one.
 
 A FUSE read with direct_io reaches hostd 1 MiB at a time, one request after the other per
 reader (the kernel waits for each answer before it sends the next), so without read-ahead a
-32 MiB block costs 32 round trips to the daemon in a row. After a full 1 MiB read at offset
-X, the next 1 MiB (from X + 1 MiB) is asked for at once into a spare slot; the reader's next
+32 MiB block costs 32 round trips to the daemon in a row. With a full 1 MiB read at offset
+X (beside it, not after it: the disk then starts on what follows while X is on its way), the
+next pieces (from X + 1 MiB) are asked for at once into spare slots; the reader's next
 request, if it is for exactly that offset, is answered from the slot.
 
 Bytes read ahead must never be older than what a read issued later would see. Content

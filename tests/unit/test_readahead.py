@@ -8,7 +8,10 @@ import trio
 import trio.testing
 
 from bluecached.wire.client import RemoteError
+from bluecached.wire.local_transport import LocalClient
+from hostd.link import SLOT_SIZE, DaemonLink
 from hostd.readahead import ReadAhead
+from tests.unit.test_unanswered_slots import SilentDaemon
 
 SLOT = 1 << 20
 FH, INO, GEN = 3, 40, 1
@@ -241,3 +244,29 @@ def test_large_read_ahead_leaves_one_large_buffer_to_readers():
         for slot in taken:
             staging.give(slot)
     run(test, depth=4)
+
+
+def test_read_ahead_starts_beside_a_sequential_reader_s_first_read(tmp_path):
+    """The first full read of a file asks for the pieces after it at once, not once it is
+    answered: on an NVMe hit the disk then reads ahead while the first piece is on its way."""
+    path = str(tmp_path / "control.seq")
+
+    async def main():
+        daemon = SilentDaemon(path)
+        client = LocalClient(path)
+        link = DaemonLink(client, None, slots=16, request_timeout=5, read_ahead=3)
+        async with trio.open_nursery() as nursery:
+            await nursery.start(daemon.serve)
+            await nursery.start(client.run)
+            await nursery.start(link.send_writes)
+            await link.connect(timeout=5)
+            fh = link._add_file(5, 0, daemon_fh=9, size=8 * SLOT_SIZE)
+            nursery.start_soon(link.read, fh, 0, SLOT_SIZE)
+            with trio.fail_after(5):
+                while len(daemon.held) < 4:   # noqa: ASYNC110 (a count, no event)
+                    await trio.sleep(0.01)
+            reads = [args["offset"] for op, args in daemon.seen if op == "read"]
+            assert sorted(reads) == [0, SLOT_SIZE, 2 * SLOT_SIZE, 3 * SLOT_SIZE]
+            nursery.cancel_scope.cancel()
+
+    trio.run(main, strict_exception_groups=True)
