@@ -10,7 +10,7 @@ import trio.testing
 from bluecached.wire.client import RemoteError
 from bluecached.wire.local_transport import LocalClient
 from hostd.link import SLOT_SIZE, DaemonLink
-from hostd.readahead import ReadAhead
+from hostd.readahead import LARGE_DEPTH, ReadAhead
 from tests.unit.test_unanswered_slots import SilentDaemon
 
 SLOT = 1 << 20
@@ -61,10 +61,10 @@ class FakeDaemon:
         return max(0, min(length or SLOT, self.file_size - offset))
 
 
-def run(test, depth: int = 1, file_size: int = 1 << 40):
+def run(test, depth: int = 1, file_size: int = 1 << 40, large: int = 4):
     """Runs `test(ahead, staging, daemon)` in a nursery that hosts the fetches; afterwards
     every slot must be back."""
-    staging, daemon = FakeStaging(), FakeDaemon(file_size)
+    staging, daemon = FakeStaging(large=large), FakeDaemon(file_size)
 
     async def main():
         ahead = ReadAhead(staging, daemon.fetch, SLOT, depth)
@@ -223,16 +223,18 @@ def test_reads_larger_than_a_slot_are_read_ahead_by_their_size_into_large_buffer
     async def test(ahead, staging, daemon):
         ahead.start(FH, INO, piece, BIG, GEN, piece)
         await trio.testing.wait_all_tasks_blocked()
-        assert sorted(daemon.asked) == [piece, 2 * piece]   # at most 2 large buffers ahead
-        assert staging.free() == staging.slots and staging.free_large() == staging.large - 2
+        # at most LARGE_DEPTH large buffers ahead, whatever mount.read_ahead says
+        assert sorted(daemon.asked) == [k * piece for k in range(1, LARGE_DEPTH + 1)]
+        assert (staging.free() == staging.slots
+                and staging.free_large() == staging.large - LARGE_DEPTH)
         daemon.release.set()
         slot, length = await ahead.take(FH, piece, GEN, piece)
         assert slot >= staging.slots and length == piece
         staging.give(slot)
         # a read of another size at the next offset: not what was read ahead, thrown away
         assert await ahead.take(FH, 2 * piece, GEN) is None
-        assert ahead.wasted == 1
-    run(test, depth=4)
+        assert ahead.wasted == LARGE_DEPTH - 1
+    run(test, depth=2 * LARGE_DEPTH, large=16)
 
 
 def test_large_read_ahead_leaves_one_large_buffer_to_readers():
