@@ -11,6 +11,7 @@ import contextlib
 import datetime
 import hashlib
 import json
+import mmap
 import os
 import platform
 import random
@@ -132,7 +133,6 @@ def guest_memory_kept(warm_bytes: int):
             PAGE_REPORTING_ORDER.write_text(f"{ABOVE_MAX_ORDER}\n")
             info = {"page_reporting": f"held (order {was} -> {ABOVE_MAX_ORDER})"}
             started = time.perf_counter()
-            import mmap
             warm = mmap.mmap(-1, warm_bytes, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
                              | mmap.MAP_POPULATE)
             warm.close()

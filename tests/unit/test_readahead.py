@@ -6,12 +6,11 @@ import errno
 import pytest
 import trio
 import trio.testing
+from silent_daemon import linked
 
 from bluecached.wire.client import RemoteError
-from bluecached.wire.local_transport import LocalClient
-from hostd.link import SLOT_SIZE, DaemonLink
+from hostd.link import SLOT_SIZE
 from hostd.readahead import LARGE_DEPTH, ReadAhead
-from tests.unit.test_unanswered_slots import SilentDaemon
 
 SLOT = 1 << 20
 FH, INO, GEN = 3, 40, 1
@@ -254,14 +253,10 @@ def test_read_ahead_starts_beside_a_sequential_reader_s_first_read(tmp_path):
     path = str(tmp_path / "control.seq")
 
     async def main():
-        daemon = SilentDaemon(path)
-        client = LocalClient(path)
-        link = DaemonLink(client, None, slots=16, request_timeout=5, read_ahead=3)
         async with trio.open_nursery() as nursery:
-            await nursery.start(daemon.serve)
-            await nursery.start(client.run)
+            daemon, link = await linked(nursery, path, slots=16, request_timeout=5,
+                                        read_ahead=3)
             await nursery.start(link.send_writes)
-            await link.connect(timeout=5)
             fh = link._add_file(5, 0, daemon_fh=9, size=8 * SLOT_SIZE)
             nursery.start_soon(link.read, fh, 0, SLOT_SIZE)
             with trio.fail_after(5):

@@ -5,73 +5,18 @@ would overwrite a write staged in it since, which would then be stored as that f
 And a request waits for a free slot no longer than for the daemon."""
 
 import errno
-import socket
 
 import pytest
 import trio
+from silent_daemon import linked
 
-from bluecached.wire import protocol
 from bluecached.wire.client import RemoteError
-from bluecached.wire.local_transport import LocalClient
-from hostd.link import DaemonLink
-
-
-class SilentDaemon:
-    """Answers hello at once; holds every other request until `answer_held`."""
-
-    def __init__(self, path: str):
-        self.path = path
-        self.held: list[tuple[int, str]] = []
-        self.seen: list[tuple[str, dict]] = []
-        self.silent = True
-        self.conn = None
-        self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        self.listener.bind(path)
-        self.listener.listen()
-        self.listener.setblocking(False)
-
-    async def serve(self, *, task_status=trio.TASK_STATUS_IGNORED):
-        task_status.started()
-        with trio.socket.from_stdlib_socket(self.listener) as listener:
-            conn, _ = await listener.accept()
-        self.conn = conn
-        with conn:
-            while True:
-                frame = await conn.recv(1 << 20)
-                if not frame:
-                    return
-                request = protocol.decode_request(frame, 1 << 20)
-                self.seen.append((request.op, request.args))
-                if request.op != "hello" and not self.silent:
-                    await conn.send(protocol.encode_reply(request.id, {"length": 0,
-                                                                       "failed": []}))
-                elif request.op == "hello":
-                    await conn.send(protocol.encode_reply(request.id, {
-                        "engine": "loopback", "incarnation": "one", "session": 1,
-                        "server": "silent"}))
-                else:
-                    self.held.append((request.id, request.op))
-
-    def hang_up(self):
-        """As a daemon that exits: its end of the connection closes."""
-        self.conn.shutdown(socket.SHUT_RDWR)
-
-    async def answer_held(self, result=None):
-        for rid, _op in self.held:
-            await self.conn.send(protocol.encode_reply(
-                rid, result if result is not None else {"length": 0, "failed": []}))
-        self.held.clear()
 
 
 async def held_read(nursery, path: str):
     """A link to a SilentDaemon with two slots, and a read the daemon held past
     request_timeout: (daemon, link), the read's slot still taken."""
-    daemon = SilentDaemon(path)
-    client = LocalClient(path)
-    link = DaemonLink(client, None, slots=2, request_timeout=0.3, read_ahead=0)
-    await nursery.start(daemon.serve)
-    await nursery.start(client.run)
-    await link.connect(timeout=5)
+    daemon, link = await linked(nursery, path, slots=2, request_timeout=0.3, read_ahead=0)
     fh = link._add_file(5, 0, daemon_fh=9, size=1 << 20)
     with pytest.raises(RemoteError) as e:
         await link.read(fh, 0, 4096)            # the daemon holds it: timed out
@@ -126,13 +71,9 @@ def test_a_handle_opened_after_its_caller_gave_up_is_released(tmp_path, op):
     path = str(tmp_path / "control.seq")
 
     async def main():
-        daemon = SilentDaemon(path)
-        client = LocalClient(path)
-        link = DaemonLink(client, None, slots=2, request_timeout=0.3, read_ahead=0)
         async with trio.open_nursery() as nursery:
-            await nursery.start(daemon.serve)
-            await nursery.start(client.run)
-            await link.connect(timeout=5)
+            daemon, link = await linked(nursery, path, slots=2, request_timeout=0.3,
+                                        read_ahead=0)
             nursery.start_soon(link.forward_releases)
             nursery.start_soon(link.watch)
             with pytest.raises(RemoteError) as e:
@@ -160,14 +101,9 @@ def test_a_file_whose_staged_write_failed_is_dropped_first_thing_when_the_daemon
     path = str(tmp_path / "control.seq")
 
     async def main():
-        daemon = SilentDaemon(path)
-        client = LocalClient(path)
-        link = DaemonLink(client, None, slots=4, request_timeout=0.3, ack_staged=True,
-                          read_ahead=0)
         async with trio.open_nursery() as nursery:
-            await nursery.start(daemon.serve)
-            await nursery.start(client.run)
-            await link.connect(timeout=5)
+            daemon, link = await linked(nursery, path, slots=4, request_timeout=0.3,
+                                        ack_staged=True, read_ahead=0)
             await nursery.start(link.send_writes)
             fh = link._add_file(7, 0o1, daemon_fh=9, size=0)   # open for writing
             assert await link.write(fh, 0, b"x" * 4096) == 4096   # answered once staged
