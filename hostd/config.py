@@ -136,8 +136,8 @@ HOSTD = Schema("HostdConfig", (
                            "passthrough use no requests."),
         "huge_pages": Field(as_flag(), True,
                             "Put hostd's staging region (which NVMe hits are read into with "
-                            "O_DIRECT) on 2 MiB pages: 32 MiB read from NVMe in 9 ms instead "
-                            "of 13-17 on the benchmark VM (hostd/huge_pages.py). Needs the "
+                            "O_DIRECT) on 2 MiB pages: 32 MiB read from disk in 9.1 ms instead "
+                            "of 13.1 on the benchmark VM (bench/staging_pages.py). Needs the "
                             "kernel's shmem huge page policy (/sys/kernel/mm/"
                             "transparent_hugepage/shmem_enabled) to honour madvise: where it is "
                             "`never`, hostd sets it to `advise`, which changes nothing for "

@@ -3,9 +3,11 @@
 An NVMe hit is read by bluecached with O_DIRECT straight into a staging slot. How fast such a
 read runs depends on how the destination memory lies, not only on the disk: on the 2-core
 Firecracker VM the benchmarks run on, 32 MiB read as 8 x 4 MiB into a memfd of 4 KiB pages took
-12.6-17.3 ms, into the same memfd on 2 MiB pages 9.0-9.3 ms (the plain file read into a
-process's buffer: 9.9-10.5 ms). A virtual disk handles each run of contiguous memory as one
-segment; a real NVMe drive cares less, but a 2 MiB page is never worse.
+13.1 ms, into the same memfd on 2 MiB pages 9.1 ms, a plain file read whole into a process's
+buffer 12.9 ms (bench/staging_pages.py, 3 runs, docs/benchmarks/staging-pages.md; ad hoc
+probes saw 4 KiB pages as slow as 17.3 ms). Why the disk cares was not measured (the likely
+reason: fewer, larger memory segments per request); on a host without a hypervisor it may
+matter less, and a 2 MiB page costs nothing more here.
 
 A memfd gets 2 MiB pages only where the kernel's shmem policy allows them:
 /sys/kernel/mm/transparent_hugepage/shmem_enabled. `advise` (huge pages for mappings that ask
