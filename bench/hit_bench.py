@@ -390,6 +390,11 @@ def write_report(results: dict, out_dir: Path) -> None:
                          f"[{c['min']}-{c['max']}], {c['bluecache_mib_s']:.0f} MiB/s")
         lines.append(f"| {name} | >= {TARGETS[key]}x | " + " | ".join(cells) + " |")
     lines += ["", "Bold: target met (median). MiB/s: bluecache's median.", ""]
+    settings = [f"{who} {k}={v}" for who, given in (("bluecached", "daemon_settings"),
+                                                    ("hostd", "hostd_settings"))
+                for k, v in results.get(given, {}).items()]
+    lines += [f"Settings: {', '.join(settings) if settings else 'the defaults'} (besides the "
+              "bench's own tier sizes).", ""]
     memory = results.get("guest_memory")
     if memory:
         lines += ["Guest memory (harness.guest_memory_kept): free page reporting "
