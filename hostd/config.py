@@ -124,18 +124,19 @@ HOSTD = Schema("HostdConfig", (
                             "bluecached first."),
         "kept_idle": Field(as_duration(), "60s",
                            "A kept file unopened this long is let go (kept_opens)."),
-        "max_pages": Field(as_count(minimum=0, maximum=65535), 1024,
+        "max_pages": Field(as_count(minimum=0, maximum=65535), 0,
                            "Largest FUSE read request the kernel may send, in 4 KiB pages "
-                           "(1024: 4 MiB); 0 or 256 keeps libfuse's 1 MiB, the size of "
-                           "hostd's staging slots. Above 256 hostd raises the "
+                           "(1024: 4 MiB); 0 (the default) or 256 keeps libfuse's 1 MiB, the "
+                           "size of hostd's staging slots. Above 256 hostd raises the "
                            "fs.fuse.max_pages_limit sysctl at startup where it is lower, and "
                            "serves each larger read whole from one of 16 buffers that size "
                            "(read ahead by that size). It matters for reads served by hostd "
                            "(NVMe hits; passthrough reads use no requests): 1024 against 256 "
                            "in the same session, NVMe hits at 8 threads llm-d 0.73x vs 0.58x, "
                            "vLLM 0.63x vs 0.54x of a cold plain directory, at 1 thread the "
-                           "same (docs/benchmarks/hit.md, hit-pages256.md). Writes stay at "
-                           "most 1 MiB."),
+                           "same (docs/benchmarks/hit.md, hit-pages256.md); not the default "
+                           "until the mount tests that count 1 MiB read-ahead pieces are made "
+                           "to say which size they test. Writes stay at most 1 MiB."),
         "huge_pages": Field(as_flag(), True,
                             "Put hostd's staging region (which NVMe hits are read into with "
                             "O_DIRECT) on 2 MiB pages: 32 MiB read from disk in 9.1 ms instead "
