@@ -45,12 +45,17 @@ def cpu_model() -> str:
     return platform.processor() or "unknown"
 
 
-def memory_bytes() -> int:
+def _meminfo(field: str) -> int:
+    """A /proc/meminfo field in bytes (0 where absent)."""
     with contextlib.suppress(OSError):
         for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemTotal:"):
+            if line.startswith(f"{field}:"):
                 return int(line.split()[1]) * KiB
     return 0
+
+
+def memory_bytes() -> int:
+    return _meminfo("MemTotal")
 
 
 def machine_info(**extra) -> dict:
@@ -146,11 +151,7 @@ def guest_memory_kept(warm_bytes: int):
 
 
 def memory_available() -> int:
-    with open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * KiB
-    return 0
+    return _meminfo("MemAvailable")
 
 
 # -- CPU accounting ------------------------------------------------------------------------------

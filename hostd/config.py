@@ -134,9 +134,8 @@ HOSTD = Schema("HostdConfig", (
                            "(NVMe hits; passthrough reads use no requests): 1024 against 256 "
                            "in the same session, NVMe hits at 8 threads llm-d 0.73x vs 0.58x, "
                            "vLLM 0.63x vs 0.54x of a cold plain directory, at 1 thread the "
-                           "same (docs/benchmarks/hit.md, hit-pages256.md); not the default "
-                           "until the mount tests that count 1 MiB read-ahead pieces are made "
-                           "to say which size they test. Writes stay at most 1 MiB."),
+                           "same (docs/benchmarks/hit.md, hit-pages256.md). Writes stay at "
+                           "most 1 MiB."),
         "huge_pages": Field(as_flag(), True,
                             "Put hostd's staging region (which NVMe hits are read into with "
                             "O_DIRECT) on 2 MiB pages: 32 MiB read from disk in 9.1 ms instead "
