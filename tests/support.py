@@ -110,14 +110,18 @@ class Harness:
             self.shm.view[:len(piece)] = piece
             await self.store.write(fh, offset + pos, len(piece), self.region, 0)
 
-    async def read(self, fh: int, offset: int, length: int, step: int = MiB) -> bytes:
+    async def read(self, fh: int, offset: int, length: int, step: int = MiB,
+                   at: int = 0) -> bytes:
+        """Read in `step` pieces through the region at offset `at`: concurrent readers each
+        need a place of their own there (a read may wait after its copy into the region,
+        e.g. a read to the end of an arriving object waits for the arrival to complete)."""
         out = bytearray()
         while len(out) < length:
             n = await self.store.read(fh, offset + len(out), min(step, length - len(out)),
-                                      self.region, 0)
+                                      self.region, at)
             if n == 0:
                 break
-            out += self.shm.view[:n]
+            out += self.shm.view[at:at + n]
         return bytes(out)
 
     async def get(self, path: str) -> bytes:

@@ -130,7 +130,7 @@ def test_stream_serves_readers_while_the_object_comes_in(harness):
         got = [b"", b""]
 
         async def reader(k):
-            got[k] = await h.read(handles[k].fh, 0, SIZE)
+            got[k] = await h.read(handles[k].fh, 0, SIZE, at=k * MiB)
 
         async with trio.open_nursery() as nursery:
             for k in range(2):
