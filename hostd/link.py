@@ -680,7 +680,7 @@ class DaemonLink:
             return await self._read_large(fh, f, offset, size)
         ahead = self.read_ahead if f is not None and size <= SLOT_SIZE else None
         if ahead is not None:
-            ready = await ahead.take(fh, offset, self.generation)
+            ready = await ahead.take(fh, offset, size, self.generation)
             if ready is not None:
                 slot, n = ready
                 try:
@@ -719,7 +719,7 @@ class DaemonLink:
         ahead = self.read_ahead if f is not None else None
         ready = None
         if ahead is not None:
-            ready = await ahead.take(fh, offset, self.generation, size)
+            ready = await ahead.take(fh, offset, size, self.generation)
         if ready is not None:
             buffer, n = ready
         else:

@@ -107,16 +107,17 @@ class ReadAhead:
 
     # -- reads ---------------------------------------------------------------------------------
 
-    async def take(self, fh: int, offset: int, generation: int,
-                   piece: int | None = None) -> tuple[int, int] | None:
-        """(slot, bytes in it) read ahead for `fh` at `offset`, `piece` bytes asked for (a
-        slot's by default), or None. The caller gives the slot back."""
+    async def take(self, fh: int, offset: int, size: int,
+                   generation: int) -> tuple[int, int] | None:
+        """(slot or large buffer, bytes in it) read ahead for `fh` at `offset`, for a read of
+        `size` bytes, or None. The caller gives it back. A read smaller than the piece is
+        served from it too: the last read of a file, which the kernel sizes to the file's end,
+        asks for less than the pieces read ahead before it."""
         window = self._pending.get(fh)
         if not window:
             return None
         f = window[0]
-        if (f.offset != offset or f.piece != (piece or self.slot_size)
-                or not self._current(f, generation)):
+        if f.offset != offset or size > f.piece or not self._current(f, generation):
             self._drop(self._pending.pop(fh))   # not sequential any more: start again
             return None
         window.popleft()

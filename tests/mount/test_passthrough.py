@@ -276,7 +276,7 @@ def test_an_nvme_hit_then_dram_hits_by_passthrough(mounted, engine, hit_path):
     write_closed(stack, stack.path("cold.bin"), data)
     _restart_daemon(stack)
     fd = os.open(stack.path("cold.bin"), os.O_RDONLY)
-    try:   # into page-aligned memory, as the connectors read: whole 1 MiB requests
+    try:   # into page-aligned memory, as the connectors read: whole requests
         assert pread_aligned(fd, len(data) + 1, 0) == data
     finally:
         os.close(fd)

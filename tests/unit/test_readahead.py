@@ -83,7 +83,7 @@ def test_the_next_read_at_the_offset_read_ahead_is_served_from_its_slot():
         await trio.testing.wait_all_tasks_blocked()
         assert daemon.asked == [SLOT] and staging.free() == staging.slots - 1
         daemon.release.set()
-        slot, length = await ahead.take(FH, SLOT, GEN)
+        slot, length = await ahead.take(FH, SLOT, SLOT, GEN)
         assert length == SLOT and ahead.served == 1 and ahead.wasted == 0
         staging.give(slot)        # the reader's part
     run(test)
@@ -108,7 +108,7 @@ def test_a_read_ahead_that_may_be_stale_or_wrong_is_not_served(what):
         else:
             daemon.error = RemoteError(errno.EIO, "bad block")
         daemon.release.set()
-        assert await ahead.take(FH, offset, generation) is None
+        assert await ahead.take(FH, offset, SLOT, generation) is None
         assert ahead.served == 0 and ahead.wasted == 1
     run(test)
 
@@ -158,12 +158,12 @@ def test_one_window_per_handle_kept_depth_slots_ahead():
         await trio.testing.wait_all_tasks_blocked()
         assert sorted(daemon.asked) == [SLOT, SLOT, 2 * SLOT, 2 * SLOT, 3 * SLOT, 3 * SLOT]
         daemon.release.set()
-        slot, _ = await ahead.take(FH, SLOT, GEN)
+        slot, _ = await ahead.take(FH, SLOT, SLOT, GEN)
         staging.give(slot)
         ahead.start(FH, INO, 2 * SLOT, BIG, GEN)      # tops the window up
         await trio.testing.wait_all_tasks_blocked()
         assert daemon.asked[-1] == 4 * SLOT
-        assert await ahead.take(FH, 3 * SLOT, GEN) is None    # skipped 2: all thrown away
+        assert await ahead.take(FH, 3 * SLOT, SLOT, GEN) is None    # skipped 2: all thrown away
         assert ahead.wasted == 3 and ahead.served == 1
     run(test, depth=3)
 
@@ -174,7 +174,7 @@ def test_nothing_is_read_ahead_past_the_end_seen():
         ahead.start(FH, INO, SLOT, BIG, GEN)          # asks for 1 and 2; 2 is past the end
         await trio.testing.wait_all_tasks_blocked()
         for offset, length in ((SLOT, SLOT // 2),):
-            slot, got = await ahead.take(FH, offset, GEN)
+            slot, got = await ahead.take(FH, offset, SLOT, GEN)
             assert got == length
             staging.give(slot)
         ahead.start(FH, INO, 2 * SLOT, BIG, GEN)      # the last fetch came back short: stop
@@ -189,7 +189,7 @@ def test_a_change_to_another_file_leaves_a_read_ahead_alone():
         ahead.changing(INO + 1)
         ahead.opened(INO + 1, writable=True)
         daemon.release.set()
-        slot, _ = await ahead.take(FH, SLOT, GEN)
+        slot, _ = await ahead.take(FH, SLOT, SLOT, GEN)
         staging.give(slot)
     run(test)
 
@@ -227,12 +227,16 @@ def test_reads_larger_than_a_slot_are_read_ahead_by_their_size_into_large_buffer
         assert (staging.free() == staging.slots
                 and staging.free_large() == staging.large - LARGE_DEPTH)
         daemon.release.set()
-        slot, length = await ahead.take(FH, piece, GEN, piece)
+        slot, length = await ahead.take(FH, piece, piece, GEN)
         assert slot >= staging.slots and length == piece
         staging.give(slot)
-        # a read of another size at the next offset: not what was read ahead, thrown away
-        assert await ahead.take(FH, 2 * piece, GEN) is None
-        assert ahead.wasted == LARGE_DEPTH - 1
+        # the last read of a file, sized by the kernel to its end: served from the piece
+        slot, length = await ahead.take(FH, 2 * piece, piece - 8192, GEN)
+        assert slot >= staging.slots and length == piece
+        staging.give(slot)
+        # a larger read at the next offset: more than was read ahead, all thrown away
+        assert await ahead.take(FH, 3 * piece, 2 * piece, GEN) is None
+        assert ahead.wasted == LARGE_DEPTH - 2 and ahead.served == 2
     run(test, depth=2 * LARGE_DEPTH, large=16)
 
 
