@@ -124,9 +124,9 @@ HOSTD = Schema("HostdConfig", (
                             "bluecached first."),
         "kept_idle": Field(as_duration(), "60s",
                            "A kept file unopened this long is let go (kept_opens)."),
-        "max_pages": Field(as_count(minimum=0, maximum=65535), 0,
+        "max_pages": Field(as_count(minimum=0, maximum=65535), 1024,
                            "Largest FUSE read request the kernel may send, in 4 KiB pages "
-                           "(1024: 4 MiB); 0 (the default) or 256 keeps libfuse's 1 MiB, the "
+                           "(1024, the default: 4 MiB); 0 or 256 keeps libfuse's 1 MiB, the "
                            "size of hostd's staging slots. Above 256 hostd raises the "
                            "fs.fuse.max_pages_limit sysctl at startup where it is lower, and "
                            "serves each larger read whole from one of 16 buffers that size "

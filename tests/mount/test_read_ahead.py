@@ -17,7 +17,9 @@ from hostd import ioctl_abi as abi
 from hostd.zerocopy import SharedBuffer, _describe, _ioctl, store_from
 from support import MiB, pattern
 
-HOSTD_READS = {"mount.passthrough": False}   # every read reaches hostd
+# every read reaches hostd, in 1 MiB requests (one staging slot each): these tests count
+# 1 MiB pieces; test_large_reads.py reads ahead 4 MiB requests (mount.max_pages 1024)
+HOSTD_READS = {"mount.passthrough": False, "mount.max_pages": 256}
 
 
 def read_ahead_counts(s) -> tuple[int, int] | None:
