@@ -18,7 +18,8 @@ least half of them are free, so it never makes a write or a read wait for a slot
 
 Reads larger than a slot (mount.max_pages above 256) are read ahead the same way, a request's
 size at a time, into the staging region's large buffers (Staging.large): the piece size is the
-one of the read that started it, and a read of another size starts again.
+one of the read that started it. A smaller read at a piece's offset is served from it (a file's
+last read, which the kernel sizes to the file's end); a larger one starts again.
 """
 
 from collections import deque
