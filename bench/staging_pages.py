@@ -60,24 +60,14 @@ def write_files(where: Path, count: int, run: int) -> list[tuple[Path, bytes]]:
     return files
 
 
-def read_pieces(path: Path, dst: memoryview) -> float:
+def timed_read(path: Path, dst: memoryview, piece: int) -> float:
+    """Seconds to read the file into `dst` with O_DIRECT, `piece` bytes per read."""
     fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
     try:
         started = time.perf_counter()
-        for off in range(0, FILE, PIECE):
-            if os.preadv(fd, [dst[off:off + PIECE]], off) != PIECE:
+        for off in range(0, FILE, piece):
+            if os.preadv(fd, [dst[off:off + piece]], off) != piece:
                 raise RuntimeError(f"short read of {path}")
-        return time.perf_counter() - started
-    finally:
-        os.close(fd)
-
-
-def read_whole(path: Path, dst: memoryview) -> float:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
-    try:
-        started = time.perf_counter()
-        if os.preadv(fd, [dst], 0) != FILE:
-            raise RuntimeError(f"short read of {path}")
         return time.perf_counter() - started
     finally:
         os.close(fd)
@@ -94,13 +84,13 @@ def one_run(where: Path, count: int, run: int) -> dict[str, list[float]]:
                 buf = mmap.mmap(-1, FILE)
                 buf.write(b"\0" * FILE)   # faulted in before the clock
                 view = memoryview(buf)
-                times[way].append(read_whole(path, view))
+                times[way].append(timed_read(path, view, FILE))
             else:
                 region = SharedRegion(FILE, "bench-staging", huge=way == "memfd 2M")
                 if way == "memfd 4K":
                     region.view[:] = b"\0" * FILE   # faulted in, as the daemon's MAP_POPULATE
                 view = region.view
-                times[way].append(read_pieces(path, view))
+                times[way].append(timed_read(path, view, PIECE))
             if view != data:
                 raise RuntimeError(f"{way}: {path} read back wrong")
             view.release()

@@ -134,12 +134,13 @@ HOSTD = Schema("HostdConfig", (
                            "(NVMe hits; passthrough reads use no requests): 1024 against 256 "
                            "in the same session, NVMe hits at 8 threads llm-d 0.73x vs 0.58x, "
                            "vLLM 0.63x vs 0.54x of a cold plain directory, at 1 thread the "
-                           "same (docs/benchmarks/hit.md, hit-pages256.md). Writes stay at "
-                           "most 1 MiB."),
+                           "same (2-core AMD EPYC VM: docs/benchmarks/hit.md, "
+                           "hit-pages256.md). Writes stay at most 1 MiB."),
         "huge_pages": Field(as_flag(), True,
                             "Put hostd's staging region (which NVMe hits are read into with "
                             "O_DIRECT) on 2 MiB pages: 32 MiB read from disk in 9.1 ms instead "
-                            "of 13.1 on the benchmark VM (bench/staging_pages.py). Needs the "
+                            "of 13.1 on the 2-core AMD EPYC benchmark VM (bench/staging_pages.py). "
+                            "Needs the "
                             "kernel's shmem huge page policy (/sys/kernel/mm/"
                             "transparent_hugepage/shmem_enabled) to honour madvise: where it is "
                             "`never`, hostd sets it to `advise`, which changes nothing for "
