@@ -501,8 +501,9 @@ class Store:
         extent, crcs, version = obj.extent, obj.crcs, obj.version
         self.tiers.pin(obj)   # no eviction frees the extent meanwhile
         try:
-            ok = await trio.to_thread.run_sync(read_checked, self.tiers.nvme, extent, crcs,
-                                               size, offset // CHUNK_SIZE, dst)
+            ok = await trio.to_thread.run_sync(read_checked, self.tiers.nvme,
+                                               self.tiers.read_lanes, extent, crcs, size,
+                                               offset // CHUNK_SIZE, dst)
         except OSError as e:
             log.error("reading inode %d from NVMe failed: %s", node.ino, e)
             raise FsError(errno.EIO, f"NVMe read failed: {e}") from None

@@ -27,6 +27,7 @@ from ..namespace import FsError, Inode
 from .dram import CHUNK_SIZE, PAGE_SIZE
 from .nvme import Extent, SegmentStore
 from .objects import chunk_count
+from .read_lanes import ReadLanes
 
 log = logging.getLogger("bluecached.tiers")
 
@@ -96,16 +97,18 @@ def read_verify_and_mark(nvme: SegmentStore, extent: Extent, chunks: list, size:
     return -1
 
 
-def read_checked(nvme: SegmentStore, extent: Extent, crcs: bytes, size: int, first: int,
-                 dst: memoryview) -> bool:
+def read_checked(nvme: SegmentStore, lanes: ReadLanes, extent: Extent, crcs: bytes, size: int,
+                 first: int, dst: memoryview) -> bool:
     """Worker thread: whole chunks from `first` on, len(dst) bytes (the last may end at the
-    object's end), read from the extent straight into `dst`; True if every chunk's CRC32C
-    matched. The caller serves them only then."""
+    object's end), read from the extent straight into `dst` in the object's lane (one read
+    on the disk at a time: read_lanes.py); True if every chunk's CRC32C matched, checked
+    after the lane is free for the next read. The caller serves them only then."""
     expected = _expected(crcs, chunk_count(size))
     if expected is None:
         return False
     start = first * CHUNK_SIZE
-    nvme.read(Extent(extent.offset + start, extent.length - start), [dst], len(dst))
+    with lanes.turn(extent.offset, start):
+        nvme.read(Extent(extent.offset + start, extent.length - start), [dst], len(dst))
     for k in range(-(-len(dst) // CHUNK_SIZE)):
         piece = dst[k * CHUNK_SIZE:(k + 1) * CHUNK_SIZE]
         if crc32c.crc32c(piece) != expected[first + k]:

@@ -142,3 +142,66 @@ def test_stream_serves_readers_while_the_object_comes_in(harness):
 
     serving(h, "stream", main)
     h.check_consistency()
+
+
+def test_direct_reads_of_one_object_reach_the_disk_one_at_a_time(harness):
+    """read_lanes.py: a reader's pieces asked for together are read one after the other (the
+    disk answers a batch only when all of it is in); another object's reads go beside them."""
+    import threading
+    h = harness()
+    seg = h.store.tiers.nvme
+    real_read = seg.read
+    lock = threading.Lock()
+    running: dict[int, int] = {}   # object's extent start -> its disk reads running now
+    most = {}
+    started = {}                    # extent start -> set when one of its reads began
+
+    async def main():
+        a = await on_nvme_only(h, "/lane/a.bin", pattern("a", SIZE))
+        b = await on_nvme_only(h, "/lane/b.bin", pattern("b", SIZE))
+        objects = {a.obj.extent.offset: b.obj.extent.offset,   # each one's the other
+                   b.obj.extent.offset: a.obj.extent.offset}
+        spans = {n.obj.extent.offset: n.obj.extent.length for n in (a, b)}
+        for key in objects:
+            started[key] = threading.Event()
+
+        def read(extent, chunks, length):
+            key = next(k for k in objects if k <= extent.offset < k + spans[k])
+            with lock:
+                running[key] = running.get(key, 0) + 1
+                most[key] = max(most.get(key, 0), running[key])
+            started[key].set()
+            try:
+                # the other object's reads run beside this one: a lane per object, not one
+                # for the disk (a single lane would wait here until the timeout and fail)
+                assert started[objects[key]].wait(10), "the other object's reads never ran"
+                real_read(extent, chunks, length)
+            finally:
+                with lock:
+                    running[key] -= 1
+
+        seg.read = read
+        handles = {n.ino: await h.store.open(n.ino, os.O_RDONLY) for n in (a, b)}
+        got = {}
+
+        async def piece(node, k, at):
+            n = await h.store.read(handles[node.ino].fh, k * MiB, MiB, h.region, at)
+            got[node.ino, k] = bytes(h.shm.view[at:at + n])
+
+        async with trio.open_nursery() as nursery:
+            for j, node in enumerate((a, b)):
+                for k in (3, 1, 2, 0):   # out of order, as read-ahead's tasks may ask
+                    nursery.start_soon(piece, node, k, (j * 4 + k) * MiB)
+        for node, name in ((a, "a"), (b, "b")):
+            h.store.release(handles[node.ino].fh)
+            data = pattern(name, SIZE)
+            assert [got[node.ino, k] for k in range(4)] == \
+                [data[k * MiB:(k + 1) * MiB] for k in range(4)]
+        assert most == {key: 1 for key in objects}
+        assert h.store.tiers.read_lanes.busy() == 0
+
+    try:
+        serving(h, "direct", main)
+    finally:
+        seg.read = real_read
+    h.check_consistency()
