@@ -264,6 +264,7 @@ class Daemon:
         services.start_soon(tiers.evictor)
         if tiers.nvme is not None and cfg.tiers.nvme.hit_path != "promote":
             tiers.promotions.configure(cfg.tiers.nvme.hit_path)
+            tiers.read_lanes.depth = cfg.tiers.nvme.read_depth
             await services.start(tiers.promotions.run)
         if cfg.tiers.dram.prefault:
             services.start_soon(map_ahead, tiers.dram, cfg.tiers.dram.prefault)

@@ -27,7 +27,7 @@ from .journal import Journal
 from .nvme import SegmentStore
 from .objects import ZERO_CHUNK, StoredObject, chunk_count
 from .promotion import Promotions, read_and_verify
-from .read_lanes import ReadLanes
+from .read_lanes import READ_DEPTH, ReadLanes
 
 log = logging.getLogger("bluecached.tiers")
 
@@ -101,7 +101,7 @@ class Tiers:
         self.left_dram = lambda node: None    # a lent memfd left its object (Store.backing)
         self.stats = Counters()
         self.promotions = Promotions(self)   # streaming NVMe hits (run by the daemon)
-        self.read_lanes = ReadLanes()        # direct NVMe hits: one disk read per object at once
+        self.read_lanes = ReadLanes(READ_DEPTH)   # direct NVMe hits: reads on the disk at once
         self.lru_dram: OrderedDict[int, Inode] = OrderedDict()   # resident objects
         self.lru_nvme: OrderedDict[int, Inode] = OrderedDict()   # persisted objects
         self.dirty_bytes = 0
