@@ -134,7 +134,7 @@ HOSTD = Schema("HostdConfig", (
                            "(NVMe hits; passthrough reads use no requests): 1024 against 256 "
                            "in the same session, NVMe hits at 8 threads llm-d 0.73x vs 0.58x, "
                            "vLLM 0.63x vs 0.54x of a cold plain directory, at 1 thread the "
-                           "same (2-core AMD EPYC VM: docs/benchmarks/hit.md, "
+                           "same (2-core AMD EPYC VM: docs/benchmarks/hit-session6.md, "
                            "hit-pages256.md). Writes stay at most 1 MiB."),
         "huge_pages": Field(as_flag(), True,
                             "Put hostd's staging region (which NVMe hits are read into with "
