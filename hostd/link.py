@@ -614,11 +614,6 @@ class DaemonLink:
         fh = self._opened(attr, flags, r, fd)
         if fd is not None and reading and self.kept is not None and self.daemon_keeps:
             self.kept.keep(ino, fd, r["backing_size"], attr, self.generation, stamp)
-        if fd is None and reading and self.read_ahead is not None:
-            # every read of this handle comes to hostd (an NVMe hit, or no passthrough): the
-            # disk starts on the first pieces while the kernel has the open's answer
-            self.read_ahead.opened_for_reading(fh, ino, attr.size, self.generation,
-                                               max(SLOT_SIZE, self.staging.large_size))
         return fh, attr
 
     def _answer_kept(self, ino: int, flags: int) -> tuple[int, Attr] | None:

@@ -34,9 +34,6 @@ from bluecached.wire.client import RemoteError
 # alternating runs x 16 blocks, 2-core AMD EPYC VM; 8 was slower again: 17.6-18.1). Two
 # readers at most (max_readers) leave half the buffers for requests.
 LARGE_DEPTH = 4
-# Pieces read ahead at a read-only open (opened_for_reading): the first read's and the next,
-# so the disk has the second while the first is answered and the window fills.
-OPEN_DEPTH = 2
 
 
 @dataclass(slots=True, eq=False)
@@ -136,16 +133,8 @@ class ReadAhead:
         self.served += 1
         return f.slot, f.length
 
-    def opened_for_reading(self, fh: int, ino: int, size: int, generation: int,
-                           piece: int) -> None:
-        """A read-only open whose reads all come here: the first OPEN_DEPTH pieces (of the
-        largest request the kernel sends) are read ahead before the first read arrives, so
-        the disk starts while the kernel has the open's answer. Not more: a reader that
-        wants only the file's start wastes little."""
-        self.start(fh, ino, 0, size, generation, piece, depth=OPEN_DEPTH)
-
     def start(self, fh: int, ino: int, end: int, size: int, generation: int,
-              piece: int | None = None, depth: int | None = None) -> None:
+              piece: int | None = None) -> None:
         """After a full read ending at `end`: keep `depth` pieces read ahead (a slot each,
         or with `piece` larger than a slot, large buffers: at most LARGE_DEPTH), while they are to
         spare, nothing can change the file meanwhile and the file goes on.
@@ -156,7 +145,7 @@ class ReadAhead:
             return
         piece = piece or self.slot_size
         large = piece > self.slot_size
-        depth = min(self.depth, LARGE_DEPTH if large else self.depth, depth or self.depth)
+        depth = min(self.depth, LARGE_DEPTH) if large else self.depth
         window = self._pending.setdefault(fh, deque())
         while len(window) < depth and (self.staging.free_large() > 1 if large else
                                        self.staging.free() * 2 >= self.staging.slots):
