@@ -139,11 +139,11 @@ HOSTD = Schema("HostdConfig", (
         "huge_pages": Field(as_flag(), True,
                             "Put hostd's staging region (which NVMe hits are read into with "
                             "O_DIRECT) on 2 MiB pages: 32 MiB read from disk in 9.1 ms instead "
-                            "of 13.1 on the 2-core AMD EPYC benchmark VM (bench/staging_pages.py). "
-                            "Needs the "
-                            "kernel's shmem huge page policy (/sys/kernel/mm/"
-                            "transparent_hugepage/shmem_enabled) to honour madvise: where it is "
-                            "`never`, hostd sets it to `advise`, which changes nothing for "
+                            "of 13.1 on the 2-core AMD EPYC benchmark VM "
+                            "(bench/staging_pages.py). Needs the kernel's shmem huge page "
+                            "policy (/sys/kernel/mm/transparent_hugepage/shmem_enabled) to "
+                            "honour madvise: where it is `never`, hostd sets it to `advise`, "
+                            "which changes nothing for "
                             "processes that do not ask. false: 4 KiB pages, the system left "
                             "as it is."),
         "staging_slots": Field(as_count(minimum=64, maximum=4096), 128,

@@ -278,8 +278,9 @@ class DaemonLink:
         # Whether the kernel can use a memfd (fusefs.Passthrough.negotiated): then read-only
         # opens ask for it at once. Set by hostd/daemon.py.
         self.wants_backing = lambda: False
-        self._backings: dict[int, tuple[int, int]] = {}   # fh: (fd, size) the open brought
-        self._unbacked: set[int] = set()   # fhs whose open asked for a memfd and got none
+        # fh: what its open brought for backing(fh), asked next: (fd, size), or None where
+        # the open asked for the memfd and bluecached had none to give
+        self._backings: dict[int, tuple[int, int] | None] = {}
         self._staging_export = None
         # `large_reads`: the largest read the kernel may send (mount.max_pages); above a slot,
         # LARGE_BUFFERS buffers that size serve them whole
@@ -667,7 +668,7 @@ class DaemonLink:
             self._backings[fh] = (fd, r["backing_size"])   # for backing(fh), asked next
             self._files[fh].kernel_writes = _writable(flags)
         elif self._backed_open(flags) and self.wants_backing():
-            self._unbacked.add(fh)   # backing(fh), asked next, need not ask again
+            self._backings[fh] = None
         return fh
 
     async def backing(self, fh) -> tuple[int, int] | None:
@@ -675,14 +676,11 @@ class DaemonLink:
         itself (fusefs/passthrough.py); the caller closes fd. None where bluecached has none
         to give: ENODATA (not complete, not in DRAM, open for writing, or DPU mode, whose
         client carries no fds) or a daemon without the op."""
-        brought = self._backings.pop(fh, None)
-        if brought is not None:
-            return brought
-        if fh in self._unbacked:
-            # the open asked a moment ago: bluecached had none to give (an object only on
-            # NVMe, whose reads go through hostd), and asking again would cost a round trip
-            self._unbacked.discard(fh)
-            return None
+        if fh in self._backings:
+            # what the open brought; None: it asked a moment ago and bluecached had none (an
+            # object only on NVMe, whose reads go through hostd): asking again costs a round
+            # trip for the same answer
+            return self._backings.pop(fh)
         f = self._files.get(fh)
         if not self.daemon_backs or f is None or _writable(f.flags):
             return None   # a writer's memfd comes with its open, or not at all
@@ -938,7 +936,6 @@ class DaemonLink:
         brought = self._backings.pop(fh, None)
         if brought is not None:   # the open brought one nobody took
             os.close(brought[0])
-        self._unbacked.discard(fh)
         f = self._files.get(fh)
         if f is not None:
             await self.inflight.settled(f.ino)   # their calls name this handle

@@ -6,6 +6,7 @@ and removes the object."""
 
 import errno
 import os
+import threading
 
 import pytest
 import trio
@@ -147,7 +148,6 @@ def test_stream_serves_readers_while_the_object_comes_in(harness):
 def test_direct_reads_of_one_object_reach_the_disk_one_at_a_time(harness):
     """read_lanes.py: a reader's pieces asked for together are read one after the other (the
     disk answers a batch only when all of it is in); another object's reads go beside them."""
-    import threading
     h = harness()
     seg = h.store.tiers.nvme
     real_read = seg.read

@@ -83,3 +83,30 @@ def test_enodata_means_no_backing_and_other_errors_fail():
     with pytest.raises(RemoteError) as failed:
         backing_of(["backing"], RemoteError(errno.EIO, "daemon trouble"))
     assert failed.value.errno == errno.EIO
+
+
+class OpeningClient(BackingClient):
+    """Also answers an open that asks for the memfd, with none (an object only on NVMe)."""
+
+    async def call_with_fd(self, op, timeout=None, **args):
+        self.calls.append((op, args))
+        attr = {"ino": 5, "mode": 0o100644, "nlink": 1, "uid": 0, "gid": 0, "size": 4096,
+                "atime_ns": 0, "mtime_ns": 0, "ctime_ns": 0}
+        return {"fh": 9, "attr": attr}, None
+
+
+def test_an_open_that_brought_no_memfd_is_not_asked_about_again():
+    """The passthrough asks backing() right after a read-only open: where the open asked
+    for the memfd and got none, bluecached is not asked a second time."""
+    client = OpeningClient(["backing", "open_backing"], (7, 100))
+    link = DaemonLink(client, None, slots=2, request_timeout=5)
+    link.wants_backing = lambda: True
+
+    async def main():
+        await link.connect()
+        fh, _ = await link.open(5, os.O_RDONLY)
+        return await link.backing(fh)
+
+    assert trio.run(main, strict_exception_groups=True) is None
+    assert [op for op, _ in client.calls] == ["open"]
+    assert client.calls[0][1].get("backing") is True

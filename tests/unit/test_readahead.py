@@ -272,39 +272,3 @@ def test_read_ahead_starts_beside_a_sequential_reader_s_first_read(tmp_path):
 
     trio.run(main, strict_exception_groups=True)
 
-
-def test_an_open_without_a_memfd_does_not_ask_for_one_again(tmp_path):
-    """A read-only open that asked for the memfd and brought none (an object only on NVMe:
-    its reads come to hostd): the passthrough's backing() right after it answers None
-    without a second request to bluecached."""
-    import os
-    path = str(tmp_path / "control.open")
-    opened = []
-
-    async def main():
-        async with trio.open_nursery() as nursery:
-            daemon, link = await linked(nursery, path, slots=16, request_timeout=5,
-                                        read_ahead=3)
-            link.daemon_backs = link.daemon_opens_backed = True
-            link.wants_backing = lambda: True
-
-            async def open_it():
-                opened.append(await link.open(5, os.O_RDONLY))
-            nursery.start_soon(open_it)
-            with trio.fail_after(5):
-                while not daemon.held:   # noqa: ASYNC110 (a count, no event)
-                    await trio.sleep(0.01)
-            assert daemon.seen[-1][1].get("backing") is True
-            attr = {"ino": 5, "mode": 0o100644, "nlink": 1, "uid": 0, "gid": 0,
-                    "size": 8 * SLOT_SIZE, "atime_ns": 0, "mtime_ns": 0, "ctime_ns": 0}
-            await daemon.answer_held({"fh": 9, "attr": attr})   # no fd: nothing to pass
-            with trio.fail_after(5):
-                while not opened:   # noqa: ASYNC110
-                    await trio.sleep(0.01)
-            fh, _ = opened[0]
-            asked = len(daemon.seen)
-            assert await link.backing(fh) is None
-            assert len(daemon.seen) == asked
-            nursery.cancel_scope.cancel()
-
-    trio.run(main, strict_exception_groups=True)
