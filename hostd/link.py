@@ -133,7 +133,7 @@ class Staging:
     The large buffers start on a 2 MiB boundary and the region ends on one, so that on 2 MiB
     pages a 4 MiB buffer is two pages: an O_DIRECT read into it is two segments for the
     disk. Unaligned, the last buffer ended in 4 KiB pages past the last whole 2 MiB page
-    (258 segments, over this VM's virtio disk's 254): its reads were split in two and the
+    (258 segments, over the virtio disk's 254): its reads were split in two and the
     second part waited 1.7 ms to be requeued (a kernel trace of NVMe hits, 2-core AMD EPYC
     VM)."""
 

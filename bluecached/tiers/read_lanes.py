@@ -3,14 +3,14 @@ most `depth` at once in all.
 
 hostd reads a file's next pieces ahead, so an NVMe hit's reads of one object arrive together
 (five 4 MiB reads within 0.5 ms), and with many readers, as many reads as hostd has buffers
-(16). Sent to the disk together, they come back together: this VM's virtio disk answered a
-batch of queued reads at once, after the time of all of them (ad hoc, O_DIRECT, 32 MiB files:
-one 4 MiB read at a time, the first after 1.2 ms and all in 9.2 ms; eight at once, all after
-9.0 ms). The readers then waited for the whole batch, and the replies (a CRC32C check and a
-4 MiB copy each) all came after the disk's last byte, with the disk idle meanwhile. A few at
-a time, in order, each piece is checked and answered while the next ones are on the disk,
-for about the same disk time. On a real NVMe the block layer splits a 4 MiB read into the
-device's own request size, so a few such reads still keep its queue full.
+(16). Sent to the disk together, they come back together: the 2-core AMD EPYC benchmark VM's
+virtio disk answered a batch of queued reads at once, after the time of all of them (ad hoc,
+O_DIRECT, 32 MiB files: one 4 MiB read at a time, the first after 1.2 ms and all in 9.2 ms;
+eight at once, all after 9.0 ms). The readers then waited for the whole batch, and the replies
+(a CRC32C check and a 4 MiB copy each) all came after the disk's last byte, with the disk idle
+meanwhile. A few at a time, in order, each piece is checked and answered while the next ones
+are on the disk, for about the same disk time. On a real NVMe the block layer splits a 4 MiB
+read into the device's own request size, so a few such reads still keep its queue full.
 
 Each read runs in its caller's worker thread, which waits for its turn; the lane holds no
 thread of its own. Turns go to the object whose read waited longest (then lowest offset
