@@ -87,6 +87,11 @@ def _write_kills(fh: int, offset: int) -> bool:
     return bool(_take_write_kill(fh, offset))
 
 
+class CallInterrupted(RemoteError):
+    """A request that was sent when bluecached went away (restarted, stopped, too slow): it
+    may or may not have been done. EIO, as the kernel's caller must be told so."""
+
+
 class _Pool:
     """Numbered buffers to take and give back; taking waits at most `wait_limit`."""
 
@@ -509,8 +514,9 @@ class DaemonLink:
                 elif e.errno != errno.ECONNRESET:
                     raise
                 if op not in _IDEMPOTENT:
-                    raise RemoteError(errno.EIO, f"{op} interrupted by a bluecached restart "
-                                                 "(it may or may not have happened)") from None
+                    raise CallInterrupted(errno.EIO, f"{op} interrupted by a bluecached "
+                                                     "restart (it may or may not have "
+                                                     "happened)") from None
 
     # -- handles ---------------------------------------------------------------------------
 
@@ -953,6 +959,11 @@ class DaemonLink:
                 continue  # the daemon restarted: that handle is gone already
             try:
                 await self.call("release", fh=f.daemon_fh)
+            except CallInterrupted:
+                # Done or not, the handle goes with its session: bluecached releases a
+                # session's handles when it ends (disconnected, replaced by the reconnect
+                # that follows, or the daemon stopping), as when `up` stops both at once.
+                log.debug("release of inode %d went with its session", f.ino)
             except RemoteError as e:
                 if f.late and e.errno == errno.EBADF:
                     continue   # its session was replaced, and the handle released with it

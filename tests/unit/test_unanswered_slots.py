@@ -5,6 +5,7 @@ would overwrite a write staged in it since, which would then be stored as that f
 And a request waits for a free slot no longer than for the daemon."""
 
 import errno
+import logging
 
 import pytest
 import trio
@@ -162,3 +163,30 @@ def test_no_large_buffers_for_reads_of_a_slot():
         assert staging.take_large_nowait() == -1
     finally:
         staging.region.close()
+
+
+def test_a_release_cut_off_by_the_daemon_going_away_is_not_a_warning(tmp_path, caplog):
+    """`bluecachectl up` stopped: both daemons get SIGTERM at once, and a release hostd sent
+    just then is cut off. Nothing is lost (bluecached releases the handles of a session
+    that ends), so hostd must not warn that it was not delivered."""
+    path = str(tmp_path / "control.seq")
+    caplog.set_level(logging.DEBUG, logger="hostd.link")
+
+    async def main():
+        async with trio.open_nursery() as nursery:
+            daemon, link = await linked(nursery, path, slots=2, request_timeout=5,
+                                        read_ahead=0)
+            nursery.start_soon(link.forward_releases)
+            fh = link._add_file(5, 0o1, daemon_fh=9, size=0)
+            await link.release(fh)
+            with trio.fail_after(5):
+                while [op for _, op in daemon.held] != ["release"]:  # noqa: ASYNC110
+                    await trio.sleep(0.01)
+            daemon.hang_up()
+            with trio.fail_after(5):
+                while "went with its session" not in caplog.text:  # noqa: ASYNC110
+                    await trio.sleep(0.01)
+            nursery.cancel_scope.cancel()
+
+    trio.run(main, strict_exception_groups=True)
+    assert "not delivered" not in caplog.text
