@@ -2,6 +2,30 @@ import pytest
 
 from support import Harness
 
+LOG_TAIL_LINES = 150   # of each daemon's log, in the report of a test that failed
+
+
+def _daemon_logs(item) -> list:
+    """The log files of the daemons a test started (the fixtures below note them)."""
+    if not hasattr(item, "bluecache_logs"):
+        item.bluecache_logs = []
+    return item.bluecache_logs
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A test that failed shows the end of each daemon's log beside its traceback: a flaky
+    failure in CI is then understood from its one report (was an EIO the kernel's or
+    hostd's?)."""
+    outcome = yield
+    report = outcome.get_result()
+    if report.when != "call" or not report.failed:
+        return
+    for log in _daemon_logs(item):
+        if log.exists():
+            tail = log.read_text(errors="replace").splitlines()[-LOG_TAIL_LINES:]
+            report.sections.append((f"daemon log {log}", "\n".join(tail)))
+
 
 @pytest.fixture
 def harness(tmp_path):
@@ -25,7 +49,7 @@ def engine():
 
 
 @pytest.fixture
-def daemon(tmp_path, engine):
+def daemon(request, tmp_path, engine):
     """Factory of real bluecached processes; all are stopped at the end, and a test fails if
     a daemon logged a warning or error it did not declare with `allow_log`."""
     from support import DaemonProcess, engine_settings
@@ -37,6 +61,7 @@ def daemon(tmp_path, engine):
                           **{**engine_settings(engine)["bluecached"], **settings})
         d.allowed_log = list(allow_log)
         made.append(d)
+        _daemon_logs(request.node).append(d.log)
         return d
 
     yield make
@@ -59,7 +84,7 @@ class Stack:
 
 
 @pytest.fixture
-def mounted(tmp_path, daemon, engine):
+def mounted(request, tmp_path, daemon, engine):
     """Factory: start a real bluecached and a real hostd mounting a temp dir. Each stack is
     torn down (unmounted) at the end, and unexpected warnings in either log fail the test."""
     from support import HostdProcess, engine_settings, force_unmount
@@ -72,6 +97,7 @@ def mounted(tmp_path, daemon, engine):
         h = HostdProcess(d, mnt, **{**engine_settings(engine)["hostd"],
                                     **(hostd_settings or {})}).start()
         h.allowed_log = list(allow_log)
+        _daemon_logs(request.node).append(h.log)
         stack = Stack(d, h, mnt)
         stacks.append(stack)
         return stack
