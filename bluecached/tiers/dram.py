@@ -59,9 +59,11 @@ class Memfd:
     told (they differ only while Tiers.fit_memfd must wait: see there). Windows mapped ahead
     of need (a spare's) wait in `ahead` until the object takes them. `lent`: another
     process got it (open_readonly) and may keep it past any handle, so it is never reused
-    for another object's bytes."""
+    for another object's bytes. `before_unmap`: the pool's hook, called on a window mapped
+    ahead before it is unmapped here (the engine may have page-locked it: a registration
+    left on an unmapped range makes the next mapping there unregistrable)."""
 
-    __slots__ = ("fd", "size", "length", "ahead", "lent")
+    __slots__ = ("fd", "size", "length", "ahead", "lent", "before_unmap")
 
     def __init__(self, size: int = 0):
         # CLOEXEC: hostd gets it only through the `backing` op, never by inheritance. No
@@ -70,6 +72,7 @@ class Memfd:
         self.size = self.length = 0
         self.ahead: dict[int, mmap.mmap] = {}
         self.lent = False
+        self.before_unmap = None
         if size:
             self.resize(size)
 
@@ -77,7 +80,7 @@ class Memfd:
         os.ftruncate(self.fd, size)
         self.size = size
         for index in [i for i in self.ahead if i * CHUNK_SIZE >= size]:
-            self.ahead.pop(index).close()   # no longer inside the file: never touched
+            self._unmap_ahead(self.ahead.pop(index))   # no longer inside the file: untouched
 
     def grow_to(self, size: int) -> None:
         """At least `size` bytes long, never shorter: unlike ftruncate, this cannot cut what a
@@ -107,11 +110,16 @@ class Memfd:
         """Unmaps windows mapped ahead that the object never took (and frees their pages:
         they are holes of the file)."""
         for index, chunk in self.ahead.items():
-            chunk.close()
+            self._unmap_ahead(chunk)
             start = index * CHUNK_SIZE
             if start < self.size:
                 _punch_hole(self.fd, start, min(CHUNK_SIZE, self.size - start))
         self.ahead.clear()
+
+    def _unmap_ahead(self, chunk: mmap.mmap) -> None:
+        if self.before_unmap is not None:
+            self.before_unmap(chunk)
+        chunk.close()
 
     def open_readonly(self) -> int:
         """A new read-only open of the file (for a reader that must not write it)."""
@@ -142,7 +150,7 @@ class Memfd:
         """The memory goes once the windows are unmapped, unless another process still has
         the file open (hostd, for a passthrough handle): then when it closes it."""
         for chunk in self.ahead.values():
-            chunk.close()
+            self._unmap_ahead(chunk)
         self.ahead.clear()
         if self.fd >= 0:
             os.close(self.fd)
@@ -279,6 +287,7 @@ class DramPool:
 
     def add_spare(self, memfd: Memfd) -> None:
         """A memfd mapped ahead of need (map_ahead): kept while within the capacity."""
+        memfd.before_unmap = self.before_unmap   # its windows may carry after_map's pins
         if self.missing_chunks() >= len(memfd.ahead):
             self._spares.append(memfd)
         else:
@@ -307,6 +316,7 @@ class DramPool:
                 for chunk in windows.values():     # registration: it may be unmapped as is
                     self.before_unmap(chunk)
             memfd.ahead.update(windows)
+            memfd.before_unmap = self.before_unmap
             self._freed.append(memfd)
             self._taken.set()   # map_ahead zeroes it once takes pause
             return
