@@ -13,6 +13,11 @@ The kernel's rules (fs/fuse/iomode.c) shape the bookkeeping:
   A write open then (or a read whose cache answered with another memfd) still names the
   inode's backing id, with FOPEN_DIRECT_IO kept: its reads and writes reach the cache as
   today, only mmap uses the backing file.
+- the kernel applies an OPEN reply when the opener runs again, after hostd has answered: an
+  open answered without a backing (the cache had no memfd for it yet) may be applied after a
+  later open that attached one, and then fails with EIO. So while an inode has such plain
+  handles, its opens stay plain too; both kinds never mix on one inode (seen: readers of a
+  file a device STORE had just written).
 
 A new (or truncated) file's writer gets its memfd read-write, when the cache gives it one: the
 kernel writes it directly and the cache takes in the size and bytes where it looks (the
@@ -53,6 +58,8 @@ class Passthrough:
         self.inodes: dict[int, _Backing] = {}
         self._idle: dict[int, tuple[_Backing, float]] = {}   # ino: (backing, since when)
         self.handles: dict[int, tuple[int, int | None]] = {}   # fh: (inode, fd the cache gave)
+        self.plain: dict[int, set[int]] = {}   # inode: its handles answered without a backing
+        self._plain_inode: dict[int, int] = {}   # fh: inode, of those
         self.served = 0      # opens answered with a passthrough read
         self.declined = 0    # read-only opens served by the cache instead
         self.writers = 0     # write opens whose writes the kernel puts in the memfd
@@ -68,7 +75,10 @@ class Passthrough:
         write directly (no request per write), else nothing, without a round trip."""
         reading = flags & os.O_ACCMODE == os.O_RDONLY and not flags & os.O_TRUNC
         writing = flags & os.O_ACCMODE != os.O_RDONLY
-        if not (reading or writing or ino in self.inodes) or not self.negotiated():
+        if not self.negotiated():
+            return
+        if not (reading or writing or ino in self.inodes):
+            self._open_plain(ino, fh)
             return
         given = None
         if reading or (writing and ino not in self.inodes):
@@ -88,6 +98,12 @@ class Passthrough:
         """The kernel released `fh`: its fd goes, and the inode's backing id with its last
         handle."""
         self.lib.bc_passthrough_clear(fh)
+        plain_of = self._plain_inode.pop(fh, None)
+        if plain_of is not None:
+            self.plain[plain_of].discard(fh)
+            if not self.plain[plain_of]:
+                del self.plain[plain_of]
+            return
         entry = self.handles.pop(fh, None)
         if entry is None:
             return
@@ -98,6 +114,8 @@ class Passthrough:
         if backing is None:
             return
         backing.handles.discard(fh)
+        log.debug("release %d of inode %d: backing id %d, %d open", fh, ino,
+                  backing.backing_id, len(backing.handles))
         if not backing.handles:
             del self.inodes[ino]
             if self.grace > 0:
@@ -120,6 +138,7 @@ class Passthrough:
             self.sweep()
 
     def _close(self, backing: _Backing) -> None:
+        log.debug("backing id %d closed", backing.backing_id)
         err = self.lib.bc_backing_close(backing.backing_id)
         if err < 0:
             self._warn("close", "closing backing id %d: %s", backing.backing_id,
@@ -140,6 +159,9 @@ class Passthrough:
     def _register(self, ino: int, fh: int, fd: int | None, file: tuple[int, int] | None,
                   writing: bool) -> None:
         backing = self.inodes.get(ino)
+        if backing is None and file is not None and ino in self.plain:
+            os.close(fd)   # plain handles the kernel may not have applied yet (see the top)
+            fd, file = None, None
         if backing is None and ino in self._idle and file is not None:
             idle, _ = self._idle.pop(ino)
             if idle.file == file:   # the same memfd: its id, which the kernel may still hold
@@ -148,14 +170,17 @@ class Passthrough:
                 self._close(idle)
         if backing is None:
             if file is None:
+                log.debug("open %d of inode %d: no backing", fh, ino)
                 if not writing:
                     self.declined += 1
+                self._open_plain(ino, fh)
                 return
             backing_id = self.lib.bc_backing_open(fd)
             if backing_id < 0:
                 self._warn("open", "no backing id: %s", os.strerror(-backing_id))
                 os.close(fd)
                 self.declined += 1
+                self._open_plain(ino, fh)
                 return
             backing = self.inodes[ino] = _Backing(backing_id, file)
         # Another memfd than the inode's (the object moved since) or a write open: the cache
@@ -165,6 +190,8 @@ class Passthrough:
             mode = self.lib.BC_PT_DAEMON_IO
         else:
             mode = self.lib.BC_PT_KERNEL_WRITES if writing else self.lib.BC_PT_KERNEL_READS
+        log.debug("open %d of inode %d: backing id %d (file %s, given %s), mode %d, %d open",
+                  fh, ino, backing.backing_id, backing.file, file, mode, len(backing.handles) + 1)
         if self.lib.bc_passthrough_set(fh, backing.backing_id, mode) != 0:
             self._warn("table", "the shim's table of backed opens is full")
         backing.handles.add(fh)
@@ -175,6 +202,10 @@ class Passthrough:
             self.served += 1
         elif not writing:
             self.declined += 1
+
+    def _open_plain(self, ino: int, fh: int) -> None:
+        self.plain.setdefault(ino, set()).add(fh)
+        self._plain_inode[fh] = ino
 
     def _warn(self, reason: str, message: str, *args) -> None:
         """Logged at most once a minute per reason: a failure here costs speed, not answers."""

@@ -269,7 +269,9 @@ def test_device_stores_and_posix_reads_mixed_on_one_file(cu, mounted):
         except Exception as e:  # reported below
             errors.append(e)
 
-    readers = [threading.Thread(target=read_loop) for _ in range(2)]
+    # Four readers: enough that one is often answered without a backing (the STORE's
+    # object not complete yet) while another gets one (fusefs/passthrough.py)
+    readers = [threading.Thread(target=read_loop) for _ in range(4)]
     try:
         for t in readers:
             t.start()

@@ -77,3 +77,27 @@ def test_grace_zero_closes_at_the_last_release():
         assert shim.lib.open_ids == set()
     finally:
         os.close(memfd)
+
+
+def test_no_backing_while_the_inode_has_handles_answered_without_one():
+    """The kernel applies an OPEN reply when the opener runs again: a plain open answered
+    first may be applied after a passthrough open answered later, and then fails with EIO
+    (fs/fuse/iomode.c). So an inode's opens stay plain while it has plain handles."""
+    shim = Shim()
+    p = Passthrough(shim, grace=0.2)
+    memfd = os.memfd_create("object")
+    try:
+        p._register(7, 1, None, None, writing=False)   # the cache had no memfd yet
+        p._register(7, 2, os.dup(memfd), identity(memfd), writing=False)
+        assert 7 not in p.inodes and shim.lib.open_ids == set()   # plain as well
+        p.released(1)
+        p._register(7, 3, os.dup(memfd), identity(memfd), writing=False)
+        assert 7 not in p.inodes                                  # handle 2 is still plain
+        p.released(2)
+        p.released(3)
+        p._register(7, 4, os.dup(memfd), identity(memfd), writing=False)
+        assert p.inodes[7].handles == {4}                         # none left: passthrough
+        p.released(4)
+        assert not p.plain and not p.handles
+    finally:
+        os.close(memfd)
