@@ -227,6 +227,10 @@ class MemoryCache:
         node = self._node(ino)
         if stat.S_ISDIR(node.mode) and flags & os.O_ACCMODE != os.O_RDONLY:
             raise _fail(errno.EISDIR, "a directory")
+        if not stat.S_IMODE(node.mode):
+            # root passes the kernel's permission check: a way for mount tests to have an
+            # OPEN answered with an error
+            raise _fail(errno.EACCES, "mode 000: this test double refuses to open it")
         return self._open(node, flags), node.attr()
 
     async def read(self, fh, offset, size):

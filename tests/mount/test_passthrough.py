@@ -96,6 +96,27 @@ def test_passthrough_is_negotiated(memory_mount):
     assert s["kernel_minor"] >= 41   # FUSE_PASSTHROUGH came with 7.40/7.41 (kernel 6.9)
 
 
+def test_opens_answered_with_an_error_leave_passthrough_working(memory_mount):
+    """The shim notes each OPEN until its reply; an error reply (the header alone) must
+    take it off the list too. Left there, 1024 failed opens filled the list, and from then
+    on no open was given its backing."""
+    m = memory_mount()
+    data = os.urandom(MIB)
+    _write(m.path / "block", data)
+    _write(m.path / "refused", b"x")
+    os.chmod(m.path / "refused", 0)
+    for _ in range(1100):
+        with pytest.raises(PermissionError):
+            os.open(m.path / "refused", os.O_RDONLY)
+    before = m.stats()["replies"]
+    fd = os.open(m.path / "block", os.O_RDONLY)
+    try:
+        assert _read_all(fd) == data
+    finally:
+        os.close(fd)
+    assert m.stats()["replies"] == before + 1   # this open was given its backing
+
+
 def test_reads_of_an_open_file_never_reach_the_cache(memory_mount):
     m = memory_mount()
     data = os.urandom(8 * MIB + 12345)
