@@ -34,10 +34,10 @@ import trio
 
 log = logging.getLogger("fusefs.passthrough")
 WARN_EVERY_S = 60.0
-# How long an inode's backing id outlives its last handle. The kernel lets go of the inode's
-# backing file only when that handle's RELEASE is done, after hostd has handled it: an open in
-# between naming a new backing id is refused with EIO (fs/fuse/iomode.c: one backing file per
-# inode), one naming the same id is taken. So the id is kept that long and reused.
+# How long an inode's backing id outlives its last handle, for the next open of the same
+# memfd to reuse (no BACKING_OPEN and BACKING_CLOSE pair per open of a block read again soon).
+# The kernel itself lets go of the inode's backing file before it sends that handle's RELEASE
+# (fs/fuse/file.c, fuse_file_put), so a new id after it is taken.
 BACKING_GRACE_S = 1.0
 
 
