@@ -28,6 +28,7 @@ WRITE.
 import logging
 import os
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 
 import trio
@@ -58,8 +59,9 @@ class Passthrough:
         self.inodes: dict[int, _Backing] = {}
         self._idle: dict[int, tuple[_Backing, float]] = {}   # ino: (backing, since when)
         self.handles: dict[int, tuple[int, int | None]] = {}   # fh: (inode, fd the cache gave)
-        self.plain: dict[int, set[int]] = {}   # inode: its handles answered without a backing
-        self._plain_inode: dict[int, int] = {}   # fh: inode, of those
+        # inode: how many of its handles were answered without a backing (in `handles` too;
+        # never beside a backing: see the top)
+        self.plain: Counter[int] = Counter()
         self.served = 0      # opens answered with a passthrough read
         self.declined = 0    # read-only opens served by the cache instead
         self.writers = 0     # write opens whose writes the kernel puts in the memfd
@@ -98,18 +100,17 @@ class Passthrough:
         """The kernel released `fh`: its fd goes, and the inode's backing id with its last
         handle."""
         self.lib.bc_passthrough_clear(fh)
-        plain_of = self._plain_inode.pop(fh, None)
-        if plain_of is not None:
-            self.plain[plain_of].discard(fh)
-            if not self.plain[plain_of]:
-                del self.plain[plain_of]
-            return
         entry = self.handles.pop(fh, None)
         if entry is None:
             return
         ino, fd = entry
         if fd is not None:
             os.close(fd)
+        if ino in self.plain:
+            self.plain[ino] -= 1
+            if not self.plain[ino]:
+                del self.plain[ino]
+            return
         backing = self.inodes.get(ino)
         if backing is None:
             return
@@ -204,8 +205,8 @@ class Passthrough:
             self.declined += 1
 
     def _open_plain(self, ino: int, fh: int) -> None:
-        self.plain.setdefault(ino, set()).add(fh)
-        self._plain_inode[fh] = ino
+        self.plain[ino] += 1
+        self.handles[fh] = (ino, None)
 
     def _warn(self, reason: str, message: str, *args) -> None:
         """Logged at most once a minute per reason: a failure here costs speed, not answers."""

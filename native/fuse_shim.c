@@ -408,7 +408,6 @@ struct bc_backed {
 static pthread_mutex_t bc_pt_lock = PTHREAD_MUTEX_INITIALIZER;
 static uint64_t bc_pending[BC_PENDING_MAX];
 static int bc_pending_n;
-static unsigned bc_pending_oldest; /* where a full list is overwritten next */
 static struct bc_backed bc_backed[BC_BACKED_MAX];
 static uint64_t bc_init_unique;
 static uint32_t bc_init_flags, bc_init_flags2; /* what the kernel offered */
@@ -446,10 +445,8 @@ static ssize_t bc_io_read(int fd, void *buf, size_t len, void *userdata)
         pthread_mutex_unlock(&bc_pt_lock);
     } else if (in.opcode == BC_OP_OPEN || in.opcode == BC_OP_CREATE) {
         pthread_mutex_lock(&bc_pt_lock);
-        if (bc_pending_n < BC_PENDING_MAX)
+        if (bc_pending_n < BC_PENDING_MAX) /* else its reply goes as libfuse made it */
             bc_pending[bc_pending_n++] = in.unique;
-        else /* never expected (each reply takes its entry): the oldest goes, not this one */
-            bc_pending[bc_pending_oldest++ % BC_PENDING_MAX] = in.unique;
         pthread_mutex_unlock(&bc_pt_lock);
     }
     return res;
@@ -531,27 +528,19 @@ static ssize_t bc_io_writev(int fd, struct iovec *iov, int count, void *userdata
 {
     (void)userdata;
     struct bc_out_header out;
-    if (count < 1 || iov[0].iov_len != sizeof out)
+    if (count < 1 || count > 2 || iov[0].iov_len != sizeof out)
         return writev(fd, iov, count);
     memcpy(&out, iov[0].iov_base, sizeof out);
-    if (count != 2) {
-        /* An error reply is the header alone: an OPEN or CREATE answered so is done too. Left
-         * on the list, each would hold a slot for good, and once the list was full no open
-         * would be given its backing any more. */
-        if (out.error != 0) {
-            pthread_mutex_lock(&bc_pt_lock);
-            if (bc_pending_n > 0)
-                bc_take_pending(out.unique);
-            pthread_mutex_unlock(&bc_pt_lock);
-        }
-        return writev(fd, iov, count);
-    }
+    /* An error reply is the header alone (count 1). It ends an INIT or an OPEN as a reply
+     * with an argument does, so it goes through the same bookkeeping: an OPEN left on the
+     * list held its slot for good, and once the list was full no open was given its backing
+     * any more. Only a reply with an argument is patched. */
+    size_t len = count == 2 ? iov[1].iov_len : 0;
     union {
         struct bc_init_out init;
         char open[BC_ENTRY_OUT + sizeof(struct bc_open_out)]; /* CREATE's; OPEN's is its tail */
     } arg;
-    struct iovec patched[2] = {iov[0], {&arg, iov[1].iov_len}};
-    size_t len = iov[1].iov_len;
+    struct iovec patched[2] = {iov[0], {&arg, len}};
     int changed = 0;
     pthread_mutex_lock(&bc_pt_lock);
     if (bc_init_seen && out.unique == bc_init_unique) {

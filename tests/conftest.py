@@ -3,13 +3,11 @@ import pytest
 from support import Harness
 
 LOG_TAIL_LINES = 150   # of each daemon's log, in the report of a test that failed
+DAEMON_LOGS = pytest.StashKey[list]()   # the log files of the daemons a test started
 
 
 def _daemon_logs(item) -> list:
-    """The log files of the daemons a test started (the fixtures below note them)."""
-    if not hasattr(item, "bluecache_logs"):
-        item.bluecache_logs = []
-    return item.bluecache_logs
+    return item.stash.setdefault(DAEMON_LOGS, [])
 
 
 @pytest.hookimpl(hookwrapper=True)
