@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """O_DIRECT reads into hostd's staging memory on 4 KiB pages vs 2 MiB pages (mount.huge_pages,
-hostd/huge_pages.py), against a plain process reading the same kind of file.
+bluecached/huge_pages.py), against a plain process reading the same kind of file.
 
 An NVMe hit is read by bluecached with O_DIRECT straight into a staging slot, 4 MiB (or 1 MiB)
 at a time. Each run writes --files files of 32 MiB into a directory on the disk under --dir
@@ -36,8 +36,8 @@ from pathlib import Path
 
 import harness
 
+from bluecached import huge_pages
 from bluecached.shm import SharedRegion
-from hostd import huge_pages
 
 MiB = 1 << 20
 FILE = 32 * MiB

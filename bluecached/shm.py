@@ -8,13 +8,15 @@ import fcntl
 import mmap
 import os
 
+from .huge_pages import populate
+
 
 class SharedRegion:
     """A sealed memfd mapped here; registered with the daemon it becomes a DMA region."""
 
     def __init__(self, length: int, name: str = "bluecache-region", huge: bool = False):
         """`huge`: ask for 2 MiB pages (where the kernel's shmem policy grants them: see
-        hostd/huge_pages.py) and allocate every page now, so they are taken while that
+        bluecached/huge_pages.py) and allocate every page now, so they are taken while that
         mapping asks: a page the daemon's mapping or an O_DIRECT read faults in later would
         be a 4 KiB one."""
         self.length = length
@@ -26,9 +28,7 @@ class SharedRegion:
                         fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
             self.map = mmap.mmap(self.fd, length)
             if huge:
-                self.map.madvise(mmap.MADV_HUGEPAGE)
-                for offset in range(0, length, mmap.PAGESIZE):
-                    self.map[offset] = 0
+                populate(self.map, huge=True)
         except BaseException:
             os.close(self.fd)
             raise

@@ -24,7 +24,7 @@ import pyfuse3  # noqa: E402
 import trio  # noqa: E402
 import zmq  # noqa: E402
 
-from bluecached import __version__, logs, metrics  # noqa: E402
+from bluecached import __version__, huge_pages, logs, metrics  # noqa: E402
 from bluecached.notify import Notifier  # noqa: E402
 from bluecached.paths import describe  # noqa: E402
 from bluecached.startup import StartupError, run_service  # noqa: E402
@@ -36,7 +36,7 @@ from fusefs import Operations, Timeouts  # noqa: E402
 from fusefs.inplace import InPlaceWrites  # noqa: E402
 from fusefs.ioctl import IoctlDispatch  # noqa: E402
 
-from . import config, huge_pages  # noqa: E402
+from . import config  # noqa: E402
 from . import metrics as hostd_metrics  # noqa: E402
 from .fuse_features import FuseFeatures  # noqa: E402
 from .fuse_log import answer_to_a_gone_connection  # noqa: E402

@@ -146,7 +146,7 @@ class Staging:
     head = SLOT_HEAD
 
     def __init__(self, slots: int, large: int = 0, large_size: int = 0, huge: bool = False):
-        """`huge`: on 2 MiB pages (hostd/huge_pages.py: NVMe hits are read into it by
+        """`huge`: on 2 MiB pages (bluecached/huge_pages.py: NVMe hits are read into it by
         O_DIRECT)."""
         self.slots = slots
         self.large = large if large_size > SLOT_SIZE else 0

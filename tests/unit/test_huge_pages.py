@@ -6,8 +6,8 @@ import re
 
 import pytest
 
+from bluecached import huge_pages
 from bluecached.shm import SharedRegion
-from hostd import huge_pages
 
 MiB = 1 << 20
 
@@ -29,7 +29,7 @@ def test_a_policy_that_honours_advice_is_left_alone(tmp_path, text):
 
 def test_never_becomes_advise(tmp_path, caplog):
     path = policy_file(tmp_path, "always within_size advise [never] deny force")
-    with caplog.at_level("INFO", "hostd"):
+    with caplog.at_level("INFO", "bluecache.huge_pages"):
         assert huge_pages.allow_advised(path)
     assert path.read_text() == "advise\n"
     assert "never -> advise" in caplog.text
@@ -38,7 +38,7 @@ def test_never_becomes_advise(tmp_path, caplog):
 @pytest.mark.parametrize("text", ["always within_size advise never [deny] force", "", "garbage"])
 def test_deny_or_an_unreadable_policy_means_small_pages(tmp_path, text, caplog):
     path = policy_file(tmp_path, text)
-    with caplog.at_level("INFO", "hostd"):
+    with caplog.at_level("INFO", "bluecache.huge_pages"):
         assert not huge_pages.allow_advised(path)
     assert path.read_text() == text   # nothing written
     assert "4 KiB pages" in caplog.text
@@ -55,7 +55,7 @@ def test_a_policy_that_cannot_be_written_means_small_pages(tmp_path, monkeypatch
     def refuse(self, text):
         raise PermissionError(13, "Permission denied")
     monkeypatch.setattr(type(path), "write_text", refuse)
-    with caplog.at_level("INFO", "hostd"):
+    with caplog.at_level("INFO", "bluecache.huge_pages"):
         assert not huge_pages.allow_advised(path)
     assert "cannot set" in caplog.text and "Permission denied" in caplog.text
 

@@ -1,0 +1,91 @@
+"""2 MiB pages for shared memory that is read and written whole: hostd's staging region
+(`mount.huge_pages`) and the DRAM tier's spare memfds (`tiers.dram.huge_pages`).
+
+How fast memory is copied or read into on the Firecracker VM the benchmarks run on depends on
+how it lies, not only on its amount:
+- 32 MiB read from NVMe as 8 x 4 MiB O_DIRECT reads took 13.1 ms into a memfd of 4 KiB pages
+  and 9.1 ms into the same on 2 MiB pages (bench/staging_pages.py, 3 runs,
+  docs/benchmarks/staging-pages.md; probes saw 4 KiB pages as slow as 17.3 ms);
+- a 32 MiB memfd of 4 KiB pages was read in 2.4 to 5.0 ms depending on which pages it got
+  (steady for each file, 48 files), written in ~4.2 ms; on 2 MiB pages read in ~2.0 ms and
+  written in ~2.2 ms (ad hoc, 12 files each, docs/benchmarks/hit-notes.md).
+Why was not measured (the likely reason: fewer translations per byte, in the guest and in the
+hypervisor's tables below it); on a host without a hypervisor it may matter less, and a
+2 MiB page costs nothing more for memory that is used whole.
+
+A memfd gets 2 MiB pages only where the kernel's shmem policy allows them:
+/sys/kernel/mm/transparent_hugepage/shmem_enabled. `advise` (huge pages for mappings that ask
+with madvise(MADV_HUGEPAGE), nothing else changes) is what is needed; Debian and many
+distributions boot with `never`, which the daemons then switch to `advise` (as root; it
+changes nothing for a process that does not ask). `deny` or no such file: 4 KiB pages, as
+before. Pages come as 2 MiB only when they are first allocated through such a mapping:
+`populate` allocates them all at once, so no later write(2), fallocate or O_DIRECT read
+allocates a 4 KiB one in their place.
+
+Standard library only: bluecached.shm, which hostd.zerocopy's clients import, uses it.
+"""
+
+import ctypes
+import ctypes.util
+import errno
+import logging
+import mmap
+import os
+from pathlib import Path
+
+log = logging.getLogger("bluecache.huge_pages")
+
+SHMEM_ENABLED = Path("/sys/kernel/mm/transparent_hugepage/shmem_enabled")
+HONOURS_ADVICE = {"always", "within_size", "advise", "force"}
+MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)   # Linux 5.14, Python 3.12
+
+_libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+_libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+
+
+def shmem_policy(path: Path = SHMEM_ENABLED) -> str | None:
+    """The policy in force (the bracketed word), or None where the kernel has none."""
+    try:
+        words = path.read_text().split()
+    except OSError:
+        return None
+    chosen = [w[1:-1] for w in words if w.startswith("[") and w.endswith("]")]
+    return chosen[0] if chosen else None
+
+
+def allow_advised(path: Path = SHMEM_ENABLED, purpose: str = "hostd's staging region") -> bool:
+    """Whether a shared mapping that asks for 2 MiB pages gets them, switching the policy
+    from `never` to `advise` where needed. `purpose` names the memory in the log."""
+    policy = shmem_policy(path)
+    if policy in HONOURS_ADVICE:
+        return True
+    if policy == "never":
+        try:
+            path.write_text("advise\n")
+        except OSError as e:
+            log.info("%s stays on 4 KiB pages: cannot set %s to advise (%s)", purpose, path,
+                     e.strerror)
+            return False
+        log.info("%s: never -> advise, for %s (only mappings that ask get 2 MiB pages)",
+                 path, purpose)
+        return True
+    log.info("%s stays on 4 KiB pages: the kernel's shmem huge page policy is %s", purpose,
+             policy or "absent")
+    return False
+
+
+def populate(mapping: mmap.mmap, huge: bool) -> None:
+    """Allocates every page of a shared mapping now, asking for 2 MiB pages first where
+    `huge`. Blocking for as long as the kernel zeroes the memory (a worker thread's job
+    where an event loop waits): ctypes lets go of the GIL for the call, mmap.madvise does
+    not."""
+    if huge:
+        mapping.madvise(mmap.MADV_HUGEPAGE)
+    address = ctypes.addressof(ctypes.c_char.from_buffer(mapping))
+    if _libc.madvise(ctypes.c_void_p(address), len(mapping), MADV_POPULATE_WRITE) == 0:
+        return
+    error = ctypes.get_errno()
+    if error != errno.EINVAL:   # EINVAL: a kernel before 5.14; touching does the same
+        raise OSError(error, f"madvise(MADV_POPULATE_WRITE): {os.strerror(error)}")
+    for offset in range(0, len(mapping), mmap.PAGESIZE):
+        mapping[offset] = mapping[offset]
