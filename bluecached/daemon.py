@@ -17,7 +17,7 @@ from pathlib import Path
 import trio
 import zmq
 
-from . import __version__, config, logs, metrics, statelock
+from . import __version__, config, huge_pages, logs, metrics, statelock
 from .compose import build_store
 from .dma import EngineUnavailable, RegionTable, make_engine
 from .dma.loopback import serve_regions
@@ -53,6 +53,8 @@ class Daemon:
             raise StartupError(f"cannot lock {e.filename or cfg.state_dir}: {e.strerror}") \
                 from None
         self.notifier = Notifier()
+        # Before any object is written or loaded: pages allocated small stay small.
+        self.huge_pages = cfg.tiers.dram.huge_pages and huge_pages.allow_within_size()
         try:
             self.engine = make_engine(cfg.engine, cfg.doca)
         except (ValueError, EngineUnavailable) as e:
@@ -267,7 +269,7 @@ class Daemon:
             tiers.read_lanes.depth = cfg.tiers.nvme.read_depth
             await services.start(tiers.promotions.run)
         if cfg.tiers.dram.prefault:
-            services.start_soon(map_ahead, tiers.dram, cfg.tiers.dram.prefault)
+            services.start_soon(map_ahead, tiers.dram, cfg.tiers.dram.prefault, self.huge_pages)
         if self.store.remote is not None:
             await services.start(self.store.remote.run)
             self.store.remote.admit_persisted()

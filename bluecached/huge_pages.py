@@ -1,5 +1,5 @@
 """2 MiB pages for shared memory that is read and written whole: hostd's staging region
-(`mount.huge_pages`) and the DRAM tier's spare memfds (`tiers.dram.huge_pages`).
+(`mount.huge_pages`) and the DRAM tier's objects (`tiers.dram.huge_pages`).
 
 How fast memory is copied or read into on the Firecracker VM the benchmarks run on depends on
 how it lies, not only on its amount:
@@ -7,20 +7,27 @@ how it lies, not only on its amount:
   and 9.1 ms into the same on 2 MiB pages (bench/staging_pages.py, 3 runs,
   docs/benchmarks/staging-pages.md; probes saw 4 KiB pages as slow as 17.3 ms);
 - a 32 MiB memfd of 4 KiB pages was read in 2.4 to 5.0 ms depending on which pages it got
-  (steady for each file, 48 files), written in ~4.2 ms; on 2 MiB pages read in ~2.0 ms and
-  written in ~2.2 ms (ad hoc, 12 files each, docs/benchmarks/hit-notes.md).
+  (steady for each file, 48 files), written in ~4.2 ms with its pages allocated before and
+  ~11 ms without (as a store allocates them); on 2 MiB pages read in ~2.0 ms and written in
+  ~2.2 ms either way (ad hoc, 10-12 files each, docs/benchmarks/hit-notes.md).
 Why was not measured (the likely reason: fewer translations per byte, in the guest and in the
 hypervisor's tables below it); on a host without a hypervisor it may matter less, and a
 2 MiB page costs nothing more for memory that is used whole.
 
 A memfd gets 2 MiB pages only where the kernel's shmem policy allows them:
-/sys/kernel/mm/transparent_hugepage/shmem_enabled. `advise` (huge pages for mappings that ask
-with madvise(MADV_HUGEPAGE), nothing else changes) is what is needed; Debian and many
-distributions boot with `never`, which the daemons then switch to `advise` (as root; it
-changes nothing for a process that does not ask). `deny` or no such file: 4 KiB pages, as
-before. Pages come as 2 MiB only when they are first allocated through such a mapping:
-`populate` allocates them all at once, so no later write(2), fallocate or O_DIRECT read
-allocates a 4 KiB one in their place.
+/sys/kernel/mm/transparent_hugepage/shmem_enabled; Debian and many distributions boot with
+`never`. Two policies serve here:
+- `advise`: huge pages for mappings that ask with madvise(MADV_HUGEPAGE), nothing else
+  changes (`allow_advised`, hostd's staging). Pages come as 2 MiB only when they are first
+  allocated through such a mapping: `populate` allocates them all at once, so no later
+  write(2), fallocate or O_DIRECT read allocates a 4 KiB one in their place.
+- `within_size`: also pages first touched by write(2) or fallocate, wherever the file's size
+  covers the whole 2 MiB (`allow_within_size`). The DRAM tier needs it: a POSIX store is
+  written into its object's memfd by the writer's kernel (passthrough), where no mapping can
+  ask, into a file that must stay as long as what was written (its size is the object's).
+  It is system-wide, the one policy the kernel has for memfds.
+The daemons switch the policy as root, log it, and never lower it; `deny` or no such file:
+4 KiB pages, as before.
 
 Standard library only: bluecached.shm, which hostd.zerocopy's clients import, uses it.
 """
@@ -70,6 +77,34 @@ def allow_advised(path: Path = SHMEM_ENABLED, purpose: str = "hostd's staging re
                  path, purpose)
         return True
     log.info("%s stays on 4 KiB pages: the kernel's shmem huge page policy is %s", purpose,
+             policy or "absent")
+    return False
+
+
+COVERS_WRITES = {"always", "within_size", "force"}
+
+
+def allow_within_size(path: Path = SHMEM_ENABLED) -> bool:
+    """Whether memfds get 2 MiB pages wherever their size covers them, however the pages
+    are first touched: by a mapping, fallocate, or write(2) (the DRAM tier's objects that a
+    writer's kernel writes by passthrough). `never` and `advise` become `within_size`.
+    System-wide: every memfd and SysV segment of 2 MiB or more then gets them
+    (docs/operations.md)."""
+    policy = shmem_policy(path)
+    if policy in COVERS_WRITES:
+        return True
+    if policy in ("never", "advise"):
+        try:
+            path.write_text("within_size\n")
+        except OSError as e:
+            log.info("the DRAM tier stays on 4 KiB pages: cannot set %s to within_size (%s)",
+                     path, e.strerror)
+            return False
+        log.info("%s: %s -> within_size, for the DRAM tier's objects (tiers.dram.huge_pages: "
+                 "memfds get 2 MiB pages where their size covers them; mappings that ask still "
+                 "get them)", path, policy)
+        return True
+    log.info("the DRAM tier stays on 4 KiB pages: the kernel's shmem huge page policy is %s",
              policy or "absent")
     return False
 

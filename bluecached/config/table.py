@@ -159,6 +159,17 @@ BLUECACHED = Schema("Config", (
                               "background), so requests do not pay page faults for fresh "
                               "memory; it is committed on top of what the cache holds. The "
                               "tier's whole size maps it all at start (a DPU); 0 turns it off."),
+            "huge_pages": Field(as_flag(), True,
+                                "Keep objects in DRAM on 2 MiB pages: a POSIX store (written by "
+                                "the writer's kernel into the object's memfd) and every read of "
+                                "it ran 2-4x faster on the 2-core AMD EPYC benchmark VM "
+                                "(docs/benchmarks/hit-notes.md). bluecached sets the kernel's "
+                                "shmem huge page policy "
+                                "(/sys/kernel/mm/transparent_hugepage/shmem_enabled) to "
+                                "`within_size` where it is `never` or `advise`: system-wide, "
+                                "every memfd and SysV shared memory segment then gets 2 MiB "
+                                "pages where its size covers them (docs/operations.md). false: "
+                                "4 KiB pages, the system left as it is."),
             **_watermarks(0.90, 0.75, marks_in=lambda tiers: tiers.dram_marks),
         }, check=_watermarks_ordered),
         "nvme": Schema("NvmeConfig", "NVMe tier: segment files on a local filesystem.", {

@@ -24,7 +24,7 @@ def run_until_exit(module: str, *args: str) -> subprocess.CompletedProcess:
     ("bluecached.daemon", "tiers.dram.size=lots",
      "bluecached: --set: tiers.dram.size: expected a size such as 4GiB or 512MiB, got 'lots'"),
     ("bluecached.daemon", "tiers.dram.sise=1GiB",
-     "bluecached: --set: unknown key tiers.dram.sise (known keys here: size, prefault, "
+     "bluecached: --set: unknown key tiers.dram.sise (known keys here: size, prefault, huge_pages, "
      "high_watermark, low_watermark)"),
     ("bluecached.daemon", "tiers.dram.size",
      "bluecached: --set: expected KEY=VALUE such as tiers.dram.size=1GiB, got 'tiers.dram.size'"),

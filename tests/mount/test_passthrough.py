@@ -15,6 +15,8 @@ from pathlib import Path
 import pytest
 from test_read_ahead import CHANGES, pread_aligned, write_closed
 
+from support import pmd_mapped_kib
+
 HERE = Path(__file__).resolve().parent
 MIB = 1 << 20
 
@@ -361,6 +363,51 @@ def test_a_new_file_is_written_by_the_kernel_into_the_memfd(mounted):
     assert stack.path("block").read_bytes() == data
     log = _hostd_log_after_stop(stack)
     assert "write opens written by the kernel: 1" in log
+
+
+@pytest.fixture
+def shmem_policy_kept():
+    """The machine's shmem huge page policy, put back afterwards (the daemons raise it)."""
+    from bluecached import huge_pages
+    before = huge_pages.shmem_policy()
+    if before not in ("never", "advise", "within_size", "always"):
+        pytest.skip(f"the kernel's shmem huge page policy is {before}")
+    huge_pages.SHMEM_ENABLED.write_text("never\n")
+    yield
+    huge_pages.SHMEM_ENABLED.write_text(f"{before}\n")
+
+
+def _pmd_mapped_kib_of_object(stack, size: int) -> int:
+    """pmd_mapped_kib of bluecached's one object memfd of that size."""
+    fds = f"/proc/{stack.daemon.proc.pid}/fd"
+    found = {os.stat(f"{fds}/{fd}").st_ino: f"{fds}/{fd}" for fd in os.listdir(fds)
+             if os.readlink(f"{fds}/{fd}").startswith("/memfd:bluecache-object")
+             and os.stat(f"{fds}/{fd}").st_size == size}
+    assert len(found) == 1, found
+    fd = os.open(found.popitem()[1], os.O_RDONLY)
+    try:
+        return pmd_mapped_kib(fd, size)
+    finally:
+        os.close(fd)
+
+
+@pytest.mark.parametrize("huge", [True, False])
+def test_a_store_by_the_writers_kernel_lands_on_2mib_pages(mounted, shmem_policy_kept, huge):
+    """tiers.dram.huge_pages: bluecached sets the shmem policy to within_size, so the pages a
+    writer's kernel allocates in the object's memfd (passthrough) are 2 MiB ones; without
+    it (policy `advise`, hostd's) they are 4 KiB ones. The bytes read back either way."""
+    stack = mounted(**{"tiers.dram.huge_pages": huge, "tiers.dram.prefault": "0"})   # no spares
+    data = os.urandom(8 * MIB)
+    with open(stack.path("block.tmp"), "wb") as f:
+        f.write(data)
+    os.rename(stack.path("block.tmp"), stack.path("block"))
+    assert stack.path("block").read_bytes() == data
+    pmd_mapped = _pmd_mapped_kib_of_object(stack, len(data))
+    if huge:   # at least some: a fragmented machine may fall back to 4 KiB for a few
+        assert pmd_mapped >= 2 * 1024, pmd_mapped
+    else:
+        assert pmd_mapped == 0
+    assert "write opens written by the kernel: 1" in _hostd_log_after_stop(stack)
 
 
 def test_a_kernel_writer_and_the_cache_agree_on_every_change(mounted):

@@ -1,13 +1,15 @@
-"""hostd's staging on 2 MiB pages (mount.huge_pages): the shmem policy it needs, and a region
-that asks for them."""
+"""2 MiB pages for hostd's staging (mount.huge_pages) and the DRAM tier's prefaulted memfds
+(tiers.dram.huge_pages): the shmem policy they need, and memory that asks for them."""
 
 import mmap
-import re
+import os
 
 import pytest
 
 from bluecached import huge_pages
 from bluecached.shm import SharedRegion
+from bluecached.tiers.dram import CHUNK_SIZE, populated_memfd
+from support import pmd_mapped_kib, smaps_fields
 
 MiB = 1 << 20
 
@@ -60,27 +62,48 @@ def test_a_policy_that_cannot_be_written_means_small_pages(tmp_path, monkeypatch
     assert "cannot set" in caplog.text and "Permission denied" in caplog.text
 
 
-def _mapping_fields(region: SharedRegion) -> dict[str, int]:
-    """The smaps fields (kB) of the mapping that holds the region's first byte."""
-    import ctypes
-    address = ctypes.addressof(ctypes.c_char.from_buffer(region.map))
-    fields, inside = {}, False
-    with open("/proc/self/smaps") as f:
-        for line in f:
-            head = re.match(r"([0-9a-f]+)-([0-9a-f]+) ", line)
-            if head:
-                inside = int(head[1], 16) <= address < int(head[2], 16)
-            elif inside and line.split(":")[0].isidentifier() and line.rstrip().endswith("kB"):
-                name, value = line.split(":")
-                fields[name] = int(value.split()[0])
-    return fields
+@pytest.mark.parametrize("policy", ["always", "within_size", "force"])
+def test_a_policy_that_covers_writes_is_left_alone(tmp_path, policy):
+    text = "always within_size advise never deny force".replace(policy, f"[{policy}]")
+    path = policy_file(tmp_path, text)
+    assert huge_pages.allow_within_size(path)
+    assert path.read_text() == text
+
+
+@pytest.mark.parametrize("policy", ["never", "advise"])
+def test_never_or_advise_becomes_within_size(tmp_path, policy, caplog):
+    path = policy_file(tmp_path, "always within_size advise never deny force".replace(
+        policy, f"[{policy}]"))
+    with caplog.at_level("INFO", "bluecache.huge_pages"):
+        assert huge_pages.allow_within_size(path)
+    assert path.read_text() == "within_size\n"
+    assert f"{policy} -> within_size" in caplog.text
+
+
+@pytest.mark.parametrize("text", ["always within_size advise never [deny] force", "garbage"])
+def test_deny_or_an_unreadable_policy_leaves_the_dram_tier_small(tmp_path, text, caplog):
+    path = policy_file(tmp_path, text)
+    with caplog.at_level("INFO", "bluecache.huge_pages"):
+        assert not huge_pages.allow_within_size(path)
+    assert path.read_text() == text
+    assert "DRAM tier stays on 4 KiB pages" in caplog.text
+
+
+@pytest.fixture
+def shmem_policy_kept():
+    """The machine's shmem policy, put back afterwards (the daemons raise it)."""
+    before = huge_pages.shmem_policy()
+    if before is None:
+        pytest.skip("no shmem huge page policy on this kernel")
+    yield before
+    huge_pages.SHMEM_ENABLED.write_text(f"{before}\n")
 
 
 def test_a_huge_region_is_allocated_whole_and_on_2mib_pages_where_granted():
     granted = huge_pages.allow_advised()
     region = SharedRegion(16 * MiB, "test-huge", huge=True)
     try:
-        fields = _mapping_fields(region)
+        fields = smaps_fields(region.map)
         assert fields["Rss"] * 1024 >= 16 * MiB   # every page there before anyone maps it
         if not granted:
             pytest.skip(f"the kernel's shmem policy is {huge_pages.shmem_policy()}")
@@ -93,8 +116,32 @@ def test_a_huge_region_is_allocated_whole_and_on_2mib_pages_where_granted():
 def test_a_plain_region_is_left_to_fault_in():
     region = SharedRegion(16 * MiB, "test-plain")
     try:
-        assert _mapping_fields(region)["Rss"] * 1024 < 16 * MiB
+        assert smaps_fields(region.map)["Rss"] * 1024 < 16 * MiB
         region.view[:mmap.PAGESIZE] = b"x" * mmap.PAGESIZE   # and works as before
         assert bytes(region.view[:1]) == b"x"
     finally:
         region.close()
+
+
+@pytest.mark.parametrize("huge", [True, False])
+def test_a_spare_memfd_is_on_2mib_pages_only_when_asked(huge, shmem_policy_kept):
+    # `advise`: only what asks gets them (under within_size, fallocate would too)
+    huge_pages.SHMEM_ENABLED.write_text("advise\n")
+    granted = huge_pages.shmem_policy() == "advise"
+    memfd = populated_memfd(8, huge=huge)
+    try:
+        for index, window in memfd.ahead.items():   # the windows work as before
+            window[:5] = b"chunk"
+            window[-1:] = bytes([index])
+        assert os.pread(memfd.fd, 5, 3 * CHUNK_SIZE) == b"chunk"
+        assert os.pread(memfd.fd, 1, 4 * CHUNK_SIZE - 1) == bytes([3])
+        pmd_mapped = pmd_mapped_kib(memfd.fd, 8 * CHUNK_SIZE)
+        if not huge:
+            assert pmd_mapped == 0
+            return
+        if not granted:
+            pytest.skip(f"the kernel's shmem policy is {huge_pages.shmem_policy()}")
+        # At least some of it: a fragmented machine may fall back to 4 KiB for a few.
+        assert pmd_mapped >= 2 * 1024, pmd_mapped
+    finally:
+        memfd.close()
