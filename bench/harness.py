@@ -306,6 +306,19 @@ def is_mounted(path: Path) -> bool:
                for line in Path("/proc/self/mountinfo").read_text().splitlines())
 
 
+def mount_options(path: str) -> str | None:
+    """The filesystem type and options of the mount that holds `path` (/proc/self/mounts)."""
+    best = None
+    real = os.path.realpath(path)
+    with open("/proc/self/mounts") as f:
+        for line in f:
+            _, point, fstype, options = line.split()[:4]
+            if (real == point or real.startswith(point.rstrip("/") + "/")) and \
+                    (best is None or len(point) >= len(best[0])):
+                best = (point, f"{fstype} {options}")
+    return best[1] if best else None
+
+
 def force_unmount(path: Path) -> None:
     """Unmounts whatever is at `path` and lifts hostd's guard of the bare directory, so that
     the bench's work directory can go."""

@@ -290,12 +290,12 @@ def store_phases(mount: Mount, shm: Path, blocks: Blocks, threads: int,
 
 
 def one_run(threads_list: list[int], size: int, daemon_settings: dict,
-            hostd_settings: dict, mount_first: bool = False) -> dict:
+            hostd_settings: dict, mount_first: bool = False, tmpfs: str = "/dev/shm") -> dict:
     out = {}
     for threads in threads_list:
         count = max(32, threads) if size >= 32 * MiB else max(8, threads)
         blocks = Blocks(count, size)
-        shm = Path(tempfile.mkdtemp(prefix="bc-hit-", dir="/dev/shm"))
+        shm = Path(tempfile.mkdtemp(prefix="bc-hit-", dir=tmpfs))
         disk = Path(tempfile.mkdtemp(prefix="bc-hit-", dir="/var/tmp"))
         mount = Mount(disk / "cache", count * size, daemon_settings, hostd_settings)
         nbytes = count * size
@@ -395,6 +395,9 @@ def write_report(results: dict, out_dir: Path) -> None:
                 for k, v in results.get(given, {}).items()]
     lines += [f"Settings: {', '.join(settings) if settings else 'the defaults'} (besides the "
               "bench's own tier sizes).", ""]
+    if results.get("tmpfs", "/dev/shm") != "/dev/shm":
+        lines += [f"tmpfs baseline: {results['tmpfs']} ({results.get('tmpfs_options', '?')}), "
+                  "not /dev/shm.", ""]
     memory = results.get("guest_memory")
     if memory:
         lines += ["Guest memory (harness.guest_memory_kept): free page reporting "
@@ -441,6 +444,10 @@ def main() -> int:
     ap.add_argument("--runs", type=int, help="runs (default 3)")
     ap.add_argument("--threads", type=lambda s: [int(x) for x in s.split(",")])
     ap.add_argument("--out", type=Path)
+    ap.add_argument("--tmpfs", default="/dev/shm",
+                    help="the tmpfs baseline's directory (default /dev/shm, as distributions "
+                         "mount it; e.g. a tmpfs mounted with huge=within_size to compare on "
+                         "equal pages)")
     ap.add_argument("--daemon", action="append", default=[], metavar="KEY=VALUE",
                     help="a bluecached setting for the run (repeatable)")
     ap.add_argument("--hostd", action="append", default=[], metavar="KEY=VALUE",
@@ -459,7 +466,8 @@ def main() -> int:
     hostd_settings = {k: yaml.safe_load(v) for k, v in (kv.split("=", 1) for kv in args.hostd)}
     results = harness.run_info("hit_bench")
     results.update(threads=threads_list, runs=runs, file_mib=size // MiB,
-                   daemon_settings=daemon_settings, hostd_settings=hostd_settings)
+                   daemon_settings=daemon_settings, hostd_settings=hostd_settings,
+                   tmpfs=args.tmpfs, tmpfs_options=harness.mount_options(args.tmpfs))
     raw = []
     warm = min(8 * harness.GiB, harness.memory_available() // 2)
     with harness.guest_memory_kept(warm) as memory:
@@ -467,7 +475,7 @@ def main() -> int:
         for k in range(runs):
             print(f"run {k + 1} of {runs}", flush=True)
             raw.append(one_run(threads_list, size, daemon_settings, hostd_settings,
-                               mount_first=k % 2 == 1))
+                               mount_first=k % 2 == 1, tmpfs=args.tmpfs))
     results["runs_raw"] = raw
     results["summary"] = summarize(raw, threads_list)
     write_report(results, out_dir)
