@@ -60,9 +60,9 @@ def shmem_policy(path: Path = SHMEM_ENABLED) -> str | None:
     return chosen[0] if chosen else None
 
 
-def allow_advised(path: Path = SHMEM_ENABLED, purpose: str = "hostd's staging region") -> bool:
-    """Whether a shared mapping that asks for 2 MiB pages gets them, switching the policy
-    from `never` to `advise` where needed. `purpose` names the memory in the log."""
+def allow_advised(path: Path = SHMEM_ENABLED) -> bool:
+    """Whether a shared mapping that asks for 2 MiB pages gets them (hostd's staging),
+    switching the policy from `never` to `advise` where needed."""
     policy = shmem_policy(path)
     if policy in HONOURS_ADVICE:
         return True
@@ -70,13 +70,13 @@ def allow_advised(path: Path = SHMEM_ENABLED, purpose: str = "hostd's staging re
         try:
             path.write_text("advise\n")
         except OSError as e:
-            log.info("%s stays on 4 KiB pages: cannot set %s to advise (%s)", purpose, path,
+            log.info("staging stays on 4 KiB pages: cannot set %s to advise (%s)", path,
                      e.strerror)
             return False
-        log.info("%s: never -> advise, for %s (only mappings that ask get 2 MiB pages)",
-                 path, purpose)
+        log.info("%s: never -> advise, for hostd's staging region (mount.huge_pages; only "
+                 "mappings that ask get 2 MiB pages)", path)
         return True
-    log.info("%s stays on 4 KiB pages: the kernel's shmem huge page policy is %s", purpose,
+    log.info("staging stays on 4 KiB pages: the kernel's shmem huge page policy is %s",
              policy or "absent")
     return False
 
