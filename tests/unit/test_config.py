@@ -140,8 +140,8 @@ def test_unknown_nested_key_message_exactly(tmp_path):
     path = write(tmp_path, "tiers:\n  dram:\n    sise: 1GiB\n")
     with pytest.raises(ConfigError) as info:
         load_config(path)
-    assert str(info.value) == (f"{path}: unknown key tiers.dram.sise "
-                               "(known keys here: size, prefault, high_watermark, low_watermark)")
+    assert str(info.value) == (f"{path}: unknown key tiers.dram.sise (known keys here: size, "
+                               "prefault, huge_pages, high_watermark, low_watermark)")
 
 
 @pytest.mark.parametrize(("text", "key", "expected"), [
@@ -322,7 +322,7 @@ def test_overrides_without_a_file():
      "override: tiers.dram.size: expected a size such as 4GiB or 512MiB, got 'lots'"),
     ({"tiers.dram.sise": "1GiB"},
      "override: unknown key tiers.dram.sise "
-     "(known keys here: size, prefault, high_watermark, low_watermark)"),
+     "(known keys here: size, prefault, huge_pages, high_watermark, low_watermark)"),
     ({"tier.dram.size": "1GiB"},
      "override: unknown key tier.dram.size (known keys here: state_dir,"),
     ({"tiers.dram.size.x": "1GiB"},
@@ -380,7 +380,7 @@ def test_set_without_a_file_and_the_last_assignment_wins():
      "--set: tiers.dram.size: expected a size such as 4GiB or 512MiB, got 'lots'"),
     ("tiers.dram.sise=1GiB",
      "--set: unknown key tiers.dram.sise "
-     "(known keys here: size, prefault, high_watermark, low_watermark)"),
+     "(known keys here: size, prefault, huge_pages, high_watermark, low_watermark)"),
     ("tier.dram.size=1GiB", "--set: unknown key tier.dram.size (known keys here: state_dir,"),
     ("tiers.dram=1GiB", "--set: tiers.dram: tiers.dram is a section, not a setting"),
     ("tiers.dram.low_watermark=0.95", "--set: tiers.dram.low_watermark: expected a value below"),
