@@ -54,7 +54,8 @@ class Daemon:
                 from None
         self.notifier = Notifier()
         # Before any object is written or loaded: pages allocated small stay small.
-        self.huge_pages = cfg.tiers.dram.huge_pages and huge_pages.allow_within_size()
+        if cfg.tiers.dram.huge_pages:
+            huge_pages.allow_within_size()
         try:
             self.engine = make_engine(cfg.engine, cfg.doca)
         except (ValueError, EngineUnavailable) as e:
@@ -269,7 +270,7 @@ class Daemon:
             tiers.read_lanes.depth = cfg.tiers.nvme.read_depth
             await services.start(tiers.promotions.run)
         if cfg.tiers.dram.prefault:
-            services.start_soon(map_ahead, tiers.dram, cfg.tiers.dram.prefault, self.huge_pages)
+            services.start_soon(map_ahead, tiers.dram, cfg.tiers.dram.prefault)
         if self.store.remote is not None:
             await services.start(self.store.remote.run)
             self.store.remote.admit_persisted()

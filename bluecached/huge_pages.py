@@ -19,7 +19,7 @@ A memfd gets 2 MiB pages only where the kernel's shmem policy allows them:
 `never`. Two policies serve here:
 - `advise`: huge pages for mappings that ask with madvise(MADV_HUGEPAGE), nothing else
   changes (`allow_advised`, hostd's staging). Pages come as 2 MiB only when they are first
-  allocated through such a mapping: `populate` allocates them all at once, so no later
+  allocated through such a mapping: `populate_huge` allocates them all at once, so no later
   write(2), fallocate or O_DIRECT read allocates a 4 KiB one in their place.
 - `within_size`: also pages first touched by write(2) or fallocate, wherever the file's size
   covers the whole 2 MiB (`allow_within_size`). The DRAM tier needs it: a POSIX store is
@@ -109,13 +109,11 @@ def allow_within_size(path: Path = SHMEM_ENABLED) -> bool:
     return False
 
 
-def populate(mapping: mmap.mmap, huge: bool) -> None:
-    """Allocates every page of a shared mapping now, asking for 2 MiB pages first where
-    `huge`. Blocking for as long as the kernel zeroes the memory (a worker thread's job
-    where an event loop waits): ctypes lets go of the GIL for the call, mmap.madvise does
-    not."""
-    if huge:
-        mapping.madvise(mmap.MADV_HUGEPAGE)
+def populate_huge(mapping: mmap.mmap) -> None:
+    """Asks for 2 MiB pages for a shared mapping and allocates every page of it now.
+    Blocking for as long as the kernel zeroes the memory (a worker thread's job where an
+    event loop waits): ctypes lets go of the GIL for the call, mmap.madvise does not."""
+    mapping.madvise(mmap.MADV_HUGEPAGE)
     address = ctypes.addressof(ctypes.c_char.from_buffer(mapping))
     if _libc.madvise(ctypes.c_void_p(address), len(mapping), MADV_POPULATE_WRITE) == 0:
         return

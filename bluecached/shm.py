@@ -8,7 +8,7 @@ import fcntl
 import mmap
 import os
 
-from .huge_pages import populate
+from .huge_pages import populate_huge
 
 
 class SharedRegion:
@@ -28,7 +28,7 @@ class SharedRegion:
                         fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
             self.map = mmap.mmap(self.fd, length)
             if huge:
-                populate(self.map, huge=True)
+                populate_huge(self.map)
         except BaseException:
             os.close(self.fd)
             raise

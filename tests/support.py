@@ -479,21 +479,16 @@ def wait_serving(root, timeout: float = 30) -> None:
             time.sleep(0.2)
 
 
-def smaps_fields(mapping=None, inode: int | None = None, span: int = 0) -> dict[str, int]:
-    """The /proc/self/smaps fields (kB) of the mapping that holds `mapping`'s first byte (a
-    writable mmap), or of the one mapping `span` bytes long of the file with that `inode`."""
-    import ctypes
+def smaps_fields(inode: int, span: int) -> dict[str, int]:
+    """The /proc/self/smaps fields (kB) of this process's one mapping `span` bytes long of the
+    file with that `inode`."""
     import re
-    address = ctypes.addressof(ctypes.c_char.from_buffer(mapping)) if mapping is not None \
-        else None
     fields, inside = {}, False
     with open("/proc/self/smaps") as f:
         for line in f:
             head = re.match(r"([0-9a-f]+)-([0-9a-f]+) \S+ \S+ \S+ (\d+)", line)
             if head:
-                start, end = int(head[1], 16), int(head[2], 16)
-                inside = (start <= address < end if address is not None
-                          else int(head[3]) == inode and end - start == span)
+                inside = int(head[3]) == inode and int(head[2], 16) - int(head[1], 16) == span
             elif inside and line.split(":")[0].isidentifier() and line.rstrip().endswith("kB"):
                 name, value = line.split(":")
                 fields[name] = int(value.split()[0])
@@ -508,4 +503,4 @@ def pmd_mapped_kib(fd: int, length: int) -> int:
         whole.madvise(mmap.MADV_HUGEPAGE)
         for offset in range(0, length, 2 << 20):
             whole[offset]
-        return smaps_fields(inode=os.fstat(fd).st_ino, span=length).get("ShmemPmdMapped", 0)
+        return smaps_fields(os.fstat(fd).st_ino, length).get("ShmemPmdMapped", 0)

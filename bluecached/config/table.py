@@ -160,9 +160,10 @@ BLUECACHED = Schema("Config", (
                               "memory; it is committed on top of what the cache holds. The "
                               "tier's whole size maps it all at start (a DPU); 0 turns it off."),
             "huge_pages": Field(as_flag(), True,
-                                "Keep objects in DRAM on 2 MiB pages: a POSIX store (written by "
-                                "the writer's kernel into the object's memfd) and every read of "
-                                "it ran 2-4x faster on the 2-core AMD EPYC benchmark VM "
+                                "Keep objects in DRAM on 2 MiB pages. On the 2-core AMD EPYC "
+                                "benchmark VM a POSIX store's 32 MiB (written by the writer's "
+                                "kernel into the object's memfd) took ~2.2 ms instead of ~11, a "
+                                "read of it ~2.0 ms instead of 2.4-5.0 "
                                 "(docs/benchmarks/hit-notes.md). bluecached sets the kernel's "
                                 "shmem huge page policy "
                                 "(/sys/kernel/mm/transparent_hugepage/shmem_enabled) to "

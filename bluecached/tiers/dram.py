@@ -25,8 +25,6 @@ import time
 
 import trio
 
-from ..huge_pages import populate
-
 CHUNK_SIZE = 1 << 20
 PAGE_SIZE = mmap.PAGESIZE
 
@@ -350,13 +348,13 @@ SPARE_CHUNKS = 32          # the windows of one spare memfd: a typical 32 MiB KV
 MAP_AHEAD_QUIET_S = 0.05   # a pause in takes this long lets map_ahead top the spares up
 
 
-async def map_ahead(pool: DramPool, ahead_bytes: int, huge: bool = False) -> None:
+async def map_ahead(pool: DramPool, ahead_bytes: int) -> None:
     """Keeps at least `ahead_bytes` of chunks mapped and touched ahead of need, in spare
     memfds that new objects take, so that no request pays the page faults of fresh memory.
     It tops them up in a worker thread once takes pause for MAP_AHEAD_QUIET_S: mapping
     costs the CPU the kernel spends zeroing pages, which a burst of writes needs more.
     Memory committed: what is in use plus that much; `ahead_bytes` >= the capacity maps the
-    whole tier at once. `huge`: the spares on 2 MiB pages (populated_memfd)."""
+    whole tier at once."""
     ahead = pool.ahead_chunks = ahead_bytes // CHUNK_SIZE
     while True:
         while pool._freed:
@@ -366,7 +364,7 @@ async def map_ahead(pool: DramPool, ahead_bytes: int, huge: bool = False) -> Non
         while (missing := min(pool.missing_chunks(), ahead - len(pool._free))) > 0:
             pool.add_spare(await trio.to_thread.run_sync(populated_memfd,
                                                          min(SPARE_CHUNKS, missing),
-                                                         pool.after_map, huge))
+                                                         pool.after_map))
         pool._taken = trio.Event()
         await pool._taken.wait()
         # Until takes pause. Polled, not woken by each take: a burst takes a chunk per 1 MiB
@@ -386,22 +384,14 @@ def zero_windows(memfd: Memfd, after_map=None) -> None:
     memfd.length = 0
 
 
-def populated_memfd(count: int, after_map=None, huge: bool = False) -> Memfd:
+def populated_memfd(count: int, after_map=None) -> Memfd:
     """A spare memfd of `count` chunks whose pages the kernel has already supplied and mapped
     (blocking: a worker thread's job): a first write to fresh memory otherwise takes 256 page
-    faults per chunk on the request's path. `huge`: its pages allocated as 2 MiB ones where
-    the kernel's shmem policy allows (bluecached/huge_pages.py), through one mapping of the
-    whole file that asks for them; the windows then map those pages. A store's write into
-    them and every read of them (passthrough, the kernel's copy) ran about twice as fast on
-    the benchmark VM. Only a mapping that asks gets them: fallocate or a write(2) into fresh
-    memory would allocate 4 KiB pages."""
+    faults per chunk on the request's path. Its pages are 2 MiB ones where the shmem policy
+    covers fallocate (`tiers.dram.huge_pages`: bluecached/huge_pages.py)."""
     memfd = Memfd(count * CHUNK_SIZE)
-    if huge:
-        with mmap.mmap(memfd.fd, count * CHUNK_SIZE, mmap.MAP_SHARED) as whole:
-            populate(whole, huge=True)
-    else:
-        with contextlib.suppress(OSError):   # where fallocate is refused, MAP_POPULATE faults
-            os.posix_fallocate(memfd.fd, 0, count * CHUNK_SIZE)
+    with contextlib.suppress(OSError):   # where fallocate is refused, MAP_POPULATE faults
+        os.posix_fallocate(memfd.fd, 0, count * CHUNK_SIZE)
     for index in range(count):
         memfd.ahead[index] = mmap.mmap(memfd.fd, CHUNK_SIZE, mmap.MAP_SHARED | mmap.MAP_POPULATE,
                                        offset=index * CHUNK_SIZE)
