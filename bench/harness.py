@@ -307,16 +307,12 @@ def is_mounted(path: Path) -> bool:
 
 
 def mount_options(path: str) -> str | None:
-    """The filesystem type and options of the mount that holds `path` (/proc/self/mounts)."""
-    best = None
-    real = os.path.realpath(path)
-    with open("/proc/self/mounts") as f:
-        for line in f:
-            _, point, fstype, options = line.split()[:4]
-            if (real == point or real.startswith(point.rstrip("/") + "/")) and \
-                    (best is None or len(point) >= len(best[0])):
-                best = (point, f"{fstype} {options}")
-    return best[1] if best else None
+    """The filesystem type and options of the mount that holds `path` (findmnt)."""
+    found = subprocess.run(["findmnt", "-no", "FSTYPE,OPTIONS", "--target", path],
+                           capture_output=True, text=True)
+    if found.returncode != 0:
+        return None
+    return " ".join(found.stdout.split())
 
 
 def force_unmount(path: Path) -> None:
