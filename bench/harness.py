@@ -307,12 +307,12 @@ def is_mounted(path: Path) -> bool:
 
 
 def mount_options(path: str) -> str | None:
-    """The filesystem type and options of the mount that holds `path` (findmnt)."""
+    """The filesystem type and options of the mount that holds `path` (findmnt; of mounts
+    stacked there, the last is the one seen)."""
     found = subprocess.run(["findmnt", "-no", "FSTYPE,OPTIONS", "--target", path],
                            capture_output=True, text=True)
-    if found.returncode != 0:
-        return None
-    return " ".join(found.stdout.split())
+    lines = found.stdout.splitlines()
+    return " ".join(lines[-1].split()) if found.returncode == 0 and lines else None
 
 
 def force_unmount(path: Path) -> None:
