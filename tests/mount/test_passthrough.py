@@ -201,8 +201,30 @@ def test_without_passthrough_reads_reach_the_cache(memory_mount):
     _write(m.path / "f", data)
     assert (m.path / "f").read_bytes() == data
     s = m.stats()
-    assert s["passthrough"] == -1 and s["replies"] == 0 and s["backing_calls"] == 0
+    assert s["passthrough"] == 0 and s["replies"] == 0 and s["backing_calls"] == 0
     assert s["reads"] >= 3
+
+
+def test_only_a_writers_close_sends_flush(memory_mount):
+    """FOPEN_NOFLUSH on every open for reading only, served by the daemon (no passthrough,
+    as an NVMe hit is) or not: its close(2) waits for no round trip. A writer's close, and
+    an open for reading that truncates, still flush."""
+    m = memory_mount("--no-passthrough")
+    data = os.urandom(MIB)
+    flushes = m.stats()["flushes"]
+    _write(m.path / "f", data)
+    assert m.stats()["flushes"] == flushes + 1
+    for flags in (os.O_RDONLY, os.O_RDONLY | os.O_DIRECT):
+        fd = os.open(m.path / "f", flags)
+        try:
+            buf = mmap.mmap(-1, MIB)
+            assert os.preadv(fd, [buf], 0) == MIB and buf[:] == data
+        finally:
+            os.close(fd)
+    assert m.stats()["flushes"] == flushes + 1
+    os.close(os.open(m.path / "f", os.O_RDWR))
+    os.close(os.open(m.path / "f", os.O_RDONLY | os.O_TRUNC))
+    assert m.stats()["flushes"] == flushes + 3
 
 
 def test_max_pages_is_what_the_kernel_splits_reads_by(memory_mount):
