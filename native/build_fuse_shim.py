@@ -76,8 +76,9 @@ with open(os.path.join(HERE, "fuse_shim.c")) as f:
 ffi.set_source(
     "hostd._fuse_shim",
     "#define FUSE_USE_VERSION 35\n#define _GNU_SOURCE\n#include <dlfcn.h>\n#include <errno.h>\n"
-    "#include <fcntl.h>\n#include <pthread.h>\n#include <signal.h>\n#include <stddef.h>\n#include <stdint.h>\n"
-    "#include <stdlib.h>\n#include <string.h>\n#include <sys/eventfd.h>\n#include <sys/ioctl.h>\n"
+    "#include <fcntl.h>\n#include <pthread.h>\n#include <signal.h>\n#include <stddef.h>\n"
+    "#include <stdint.h>\n#include <stdlib.h>\n#include <string.h>\n#include <sys/eventfd.h>\n"
+    "#include <sys/ioctl.h>\n"
     "#include <sys/uio.h>\n#include <unistd.h>\n"
     "#include <fuse_lowlevel.h>\n"
     "static void bc_ioctl_to_python(fuse_req_t, fuse_ino_t, unsigned int, uint64_t, unsigned,"
