@@ -613,7 +613,8 @@ class Store:
         swap_lent = obj.kernel_writer == fh and obj.opens == 1 and self._stop_kernel_writes(node)
         chunks = await self.tiers.take_content(length)
         try:
-            if length:
+            if length and not (chunks.fresh and await self.engine.to_new_file(
+                    region, region_offset, chunks.memfd.fd, length)):
                 await self.engine.to_store(region, region_offset, views(chunks, 0, length))
         except BaseException:
             self.tiers.discard_content(chunks)

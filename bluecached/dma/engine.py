@@ -72,6 +72,13 @@ class DmaEngine(ABC):
     async def to_store(self, region: Region, offset: int, dst: Sequence[memoryview]) -> None:
         """Region bytes [offset, offset + sum(len(dst))) into the store buffers `dst`."""
 
+    async def to_new_file(self, region: Region, offset: int, fd: int, length: int) -> bool:
+        """Region bytes [offset, offset + length) as the start of `fd`, a memfd of the store
+        nothing has touched yet (a STORE's new content), written by this process's kernel
+        where the engine can; False where it cannot, and the caller copies into the
+        content's chunks (to_store)."""
+        return False
+
     @abstractmethod
     async def from_store(self, src: Sequence[memoryview], region: Region, offset: int) -> None:
         """Store buffers `src` into the region starting at `offset`."""

@@ -123,6 +123,21 @@ class LoopbackEngine(DmaEngine):
             offset += len(d)
         await _copy(pairs, into_store=True)
 
+    async def to_new_file(self, region, offset, fd, length) -> bool:
+        # pwrite instead of a copy into the chunks' 1 MiB mappings: a mapping that small
+        # cannot map a 2 MiB page, so each 4 KiB of a memfd with no pages yet was a page
+        # fault (8192 per 32 MiB block). The kernel's write allocates the pages as it copies,
+        # 2 MiB ones under the shmem policy, as a POSIX store's passthrough write does. Ad hoc,
+        # fresh 32 MiB memfds, 2-core AMD EPYC VM: faults 20.7 ms, fallocate then populated
+        # mappings 5.2 ms, pwrite 2.2 ms. Through the mount, 24 ioctl STOREs of 32 MiB in a
+        # row, 3 rounds: the ioctl past the spares (tiers.dram.prefault) took 12.1-12.4 ms
+        # (medians), now 3.0-3.4; into a spare, through its windows, 2.2-2.5 ms as before.
+        if region.kind == "cuda_ipc":
+            return False
+        region.check_span(offset, length)
+        await trio.to_thread.run_sync(_pwrite_all, fd, region.handle[1][offset:offset + length])
+        return True
+
     def host_view(self, region, offset, length):
         if region.kind == "cuda_ipc":
             return None
@@ -168,6 +183,12 @@ def _memmove_pairs(pairs) -> None:
     for dst, src in pairs:
         if len(dst):
             ctypes.memmove(_address(dst), _address(src), len(dst))
+
+
+def _pwrite_all(fd: int, data: memoryview) -> None:
+    done = 0
+    while done < len(data):
+        done += os.pwritev(fd, [data[done:]], done)
 
 
 def _stream_pairs(pairs) -> None:

@@ -386,6 +386,7 @@ class Tiers:
         """A new content of `size` bytes: a memfd that long and all its chunks (zeros)."""
         count = chunk_count(size)
         chunks = Chunks([None] * count, self._new_memfd(size))
+        chunks.fresh = not chunks.memfd.ahead
         try:
             await self.take_windows(chunks, range(count))
         except BaseException:

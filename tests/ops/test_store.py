@@ -7,6 +7,8 @@ import pytest
 import trio
 
 from bluecached.namespace import ROOT_INO, FsError
+from bluecached.tiers.dram import populated_memfd
+from bluecached.tiers.objects import views
 from support import MiB, pattern, run
 
 
@@ -179,6 +181,31 @@ def test_replace_swaps_content_atomically_under_a_reader(harness):
         assert e.value.errno == errno.EBADF
         h.store.release(reader.fh)
         h.store.release(writer.fh)
+
+    run(main)
+    h.check_consistency()
+
+
+@pytest.mark.parametrize("spare", [False, True])
+def test_replace_fills_a_fresh_memfd_or_a_spare(harness, spare):
+    """A STORE's new content in a memfd with no pages yet is written by the kernel
+    (DmaEngine.to_new_file); in a spare's, whose pages are there, through its windows. Either
+    way the chunks and the memfd hold the new bytes."""
+    h = harness()
+
+    async def main():
+        if spare:
+            h.store.tiers.dram.add_spare(populated_memfd(4))
+        handle = await h.store.create(ROOT_INO, b"f", 0o644, 0, 0, os.O_RDWR)
+        data = pattern("fresh", 3 * MiB + 77)
+        h.shm.view[5:5 + len(data)] = data
+        assert await h.store.replace(handle.fh, len(data), h.region, 5) == len(data)
+        chunks = handle.node.obj.chunks
+        assert chunks.fresh is not spare
+        assert b"".join(bytes(v) for v in views(chunks, 0, len(data))) == data
+        assert os.pread(chunks.memfd.fd, len(data) + 1, 0) == data
+        assert await h.read(handle.fh, 0, 4 * MiB) == data
+        h.store.release(handle.fh)
 
     run(main)
     h.check_consistency()

@@ -4,6 +4,7 @@ on the DOCA API simulator (no BlueField here: the simulator stands in for the DP
 import contextlib
 import ctypes
 import errno
+import os
 import random
 
 import pytest
@@ -103,6 +104,30 @@ def test_bytes_round_trip_exactly(serving, offset, sizes):
         await engine.from_store(store, region, offset + 1)
         assert host.view[offset + 1:offset + 1 + total] == data
         assert host.view[offset] == 0 and host.view[offset + 1 + total] == 0   # nothing beyond
+    serving(test)
+
+
+def test_a_new_file_gets_the_bytes_or_the_engine_says_it_cannot(serving):
+    """to_new_file: the loopback engine writes a fresh memfd itself (the kernel's write);
+    an engine that cannot says so and leaves the file as it was. A span past the region is
+    refused, not cut short."""
+    async def test(engine, table, host):
+        region = table.add(engine.register(host.source))
+        data = pattern("new-file", 3 * MiB + 5)
+        host.view[7:7 + len(data)] = data
+        fd = os.memfd_create("new-file")
+        try:
+            os.ftruncate(fd, len(data))
+            if await engine.to_new_file(region, 7, fd, len(data)):
+                assert engine.name == "loopback"
+                assert os.pread(fd, len(data) + 1, 0) == data
+                with pytest.raises(DmaError) as refused:
+                    await engine.to_new_file(region, len(host.view) - MiB, fd, MiB + 1)
+                assert refused.value.errno == errno.EFAULT
+            else:
+                assert os.pread(fd, len(data), 0) == bytes(len(data))
+        finally:
+            os.close(fd)
     serving(test)
 
 
