@@ -457,13 +457,15 @@ class Hostd:
 
 
 def write_block_results(out_dir: Path, name: str, out: dict, heading: str, labels: list[str],
-                        phases: tuple[str, str], chart_title: str, notes: list[str] = ()) -> None:
+                        phases: tuple[str, str], chart_title: str, notes: list[str] = (),
+                        aggregate: str = "best of") -> None:
     """NAME.json/.md/.png of a bench that stores and loads `out["blocks"]` blocks per target:
-    out["results_mib_s"][target] = {"store_mib_s", "load_mib_s"}, one `labels` entry each;
-    `phases` names store and load in the chart's legend."""
+    out["results_mib_s"][target] = {"store_mib_s", "load_mib_s"}, one `labels` entry each
+    (`aggregate` of out["rounds"] rounds); `phases` names store and load in the legend."""
     results = out["results_mib_s"]
     lines = markdown_head(heading, out, f"{out['blocks']} blocks of {out['block_mib']} MiB, "
-                                        f"best of {out['rounds']}, on {out['machine']['device']}.")
+                                        f"{aggregate} {out['rounds']}, "
+                                        f"on {out['machine']['device']}.")
     lines += ["| target | store MiB/s | load MiB/s |", "|---|---|---|"]
     lines += [f"| {label} | {r['store_mib_s']} | {r['load_mib_s']} |"
               for label, r in zip(labels, results.values(), strict=True)]
