@@ -120,7 +120,7 @@ def main() -> int:
             where.mkdir()
         names = list(targets)
         for r in range(args.rounds):
-            for name in names[r % 3:] + names[:r % 3]:
+            for name in names[r % len(names):] + names[:r % len(names)]:
                 store, load, where = targets[name]
                 paths = [str(where / f"r{r}_b{i}.bin") for i in range(args.blocks)]
                 stored = timed(store, paths)

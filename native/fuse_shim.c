@@ -568,8 +568,8 @@ static ssize_t bc_io_writev(int fd, struct iovec *iov, int count, void *userdata
         changed = bc_patch_open(&open);
         if (pending == 2) {
             /* Opened for reading only: close(2) need not wait for a FLUSH round trip
-             * through both daemons (0.26-0.36 ms of each NVMe hit's 12-14 ms on the 2-core
-             * benchmark VM, kernel timeline). Such a handle has nothing to flush, and locks
+             * through both daemons (0.25-0.27 ms of each NVMe hit's 12.7-16.6 ms on the
+             * 2-core benchmark VM, kernel timeline). Such a handle has nothing to flush, and locks
              * are the kernel's own here (no lock operations). RELEASE still comes,
              * asynchronously. A writer keeps its FLUSH: the cache takes in a kernel
              * writer's size there, and reports a refused write, before close(2) returns. */

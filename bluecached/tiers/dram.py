@@ -211,9 +211,9 @@ def _window_past_eof(fd: int, offset: int) -> mmap.mmap:
 
 class Chunks(list):
     """An object's chunks (None = a hole, zeros in the memfd too) and the memfd they are
-    windows of (None until the first chunk of an empty object is taken). `fresh`: a new
-    content whose memfd has no pages yet (not a spare's): written faster by the kernel than
-    through its windows (DmaEngine.to_new_file)."""
+    windows of (None until the first chunk of an empty object is taken). `fresh`: made by
+    Tiers.take_content with a memfd that had no pages (not a spare's), which the kernel fills
+    faster than a copy through the windows does (DmaEngine.to_new_file)."""
 
     __slots__ = ("memfd", "fresh")
 
