@@ -290,13 +290,14 @@ def store_phases(mount: Mount, shm: Path, blocks: Blocks, threads: int,
 
 
 def one_run(threads_list: list[int], size: int, daemon_settings: dict,
-            hostd_settings: dict, mount_first: bool = False, tmpfs: str = "/dev/shm") -> dict:
+            hostd_settings: dict, mount_first: bool = False, tmpfs: str = "/dev/shm",
+            disk_dir: str = "/var/tmp") -> dict:
     out = {}
     for threads in threads_list:
         count = max(32, threads) if size >= 32 * MiB else max(8, threads)
         blocks = Blocks(count, size)
         shm = Path(tempfile.mkdtemp(prefix="bc-hit-", dir=tmpfs))
-        disk = Path(tempfile.mkdtemp(prefix="bc-hit-", dir="/var/tmp"))
+        disk = Path(tempfile.mkdtemp(prefix="bc-hit-", dir=disk_dir))
         mount = Mount(disk / "cache", count * size, daemon_settings, hostd_settings)
         nbytes = count * size
         point: dict = {"files": count, "file_mib": size // MiB}
@@ -448,6 +449,10 @@ def main() -> int:
                     help="the tmpfs baseline's directory (default /dev/shm, as distributions "
                          "mount it; e.g. a tmpfs mounted with huge=within_size to compare on "
                          "equal pages)")
+    ap.add_argument("--disk", default="/var/tmp",
+                    help="where the NVMe tier and the plain directory it is compared with go "
+                         "(default /var/tmp); e.g. a btrfs, where NVMe hits are reflink clones "
+                         "read by the kernel (tiers.nvme.hit_path auto)")
     ap.add_argument("--daemon", action="append", default=[], metavar="KEY=VALUE",
                     help="a bluecached setting for the run (repeatable)")
     ap.add_argument("--hostd", action="append", default=[], metavar="KEY=VALUE",
@@ -467,7 +472,8 @@ def main() -> int:
     results = harness.run_info("hit_bench")
     results.update(threads=threads_list, runs=runs, file_mib=size // MiB,
                    daemon_settings=daemon_settings, hostd_settings=hostd_settings,
-                   tmpfs=args.tmpfs, tmpfs_options=harness.mount_options(args.tmpfs))
+                   tmpfs=args.tmpfs, tmpfs_options=harness.mount_options(args.tmpfs),
+                   disk=args.disk, disk_options=harness.mount_options(args.disk))
     raw = []
     warm = min(8 * harness.GiB, harness.memory_available() // 2)
     with harness.guest_memory_kept(warm) as memory:
@@ -475,7 +481,7 @@ def main() -> int:
         for k in range(runs):
             print(f"run {k + 1} of {runs}", flush=True)
             raw.append(one_run(threads_list, size, daemon_settings, hostd_settings,
-                               mount_first=k % 2 == 1, tmpfs=args.tmpfs))
+                               mount_first=k % 2 == 1, tmpfs=args.tmpfs, disk_dir=args.disk))
     results["runs_raw"] = raw
     results["summary"] = summarize(raw, threads_list)
     write_report(results, out_dir)

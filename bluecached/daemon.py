@@ -26,6 +26,7 @@ from .notify import Notifier
 from .paths import PathProblem
 from .server import ControlServer
 from .startup import StartupError, run_service
+from .tiers import nvme_clone
 from .tiers.dram import map_ahead
 from .tiers.journal import JournalError
 from .verify import Verifier
@@ -266,7 +267,7 @@ class Daemon:
             services.start_soon(tiers.writeback_worker)
         services.start_soon(tiers.evictor)
         if tiers.nvme is not None and cfg.tiers.nvme.hit_path != "promote":
-            tiers.promotions.configure(cfg.tiers.nvme.hit_path)
+            tiers.promotions.configure(_hit_path(cfg.tiers.nvme.hit_path, tiers.nvme.path))
             tiers.read_lanes.depth = cfg.tiers.nvme.read_depth
             await services.start(tiers.promotions.run)
         if cfg.tiers.dram.prefault:
@@ -343,6 +344,23 @@ def _cannot_listen(endpoint: str, reason: str) -> StartupError:
         reason = f"{kind} of that name is in the way"
     return StartupError(f"cannot listen on {path}: {reason}")
 
+def _hit_path(configured: str, nvme_path: Path) -> str:
+    """tiers.nvme.hit_path as it will run: auto is clone where the NVMe directory's filesystem
+    checks its data itself (tiers/nvme_clone.py), else direct; clone where it does not is a
+    start-up error, naming why."""
+    if configured not in ("auto", "clone"):
+        return configured
+    why = nvme_clone.unchecked_reason(nvme_path)
+    if why is None:
+        log.info("NVMe hits: reflink clones read by the kernel (%s checks its data)", nvme_path)
+        return "clone"
+    if configured == "clone":
+        raise StartupError(f"tiers.nvme.hit_path clone: {nvme_path}: {why}; use direct, or "
+                           f"put tiers.nvme.path on btrfs with data checksums")
+    log.info("NVMe hits: read and checked by bluecached (hit_path direct: %s)", why)
+    return "direct"
+
+
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="bluecached", description="bluecache cache daemon")
@@ -371,3 +389,4 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+

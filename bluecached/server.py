@@ -281,13 +281,16 @@ class ControlServer:
         if not session.local:
             return result
         try:
-            fd, size = await self.store.backing_loaded(handle.fh)
+            lent = await self.store.backing_loaded(handle.fh)
         except FsError:
             # No memfd to give (ENODATA), or the promotion failed (EIO: a checksum mismatch
             # removed the object; ENOSPC): the open stands, and its reads and writes meet
             # what they meet without passthrough.
             return result
-        return WithFd({**result, "backing_size": size}, fd)
+        reply = {**result, "backing_size": lent.size}
+        if not lent.keepable:
+            reply["backing_keep"] = False   # for this open's handles only
+        return WithFd(reply, lent.fd)
 
     async def _transfer(self, method, fh, offset, length, region, region_offset) -> dict:
         reg = self.regions.acquire(region, region_offset, length)

@@ -10,6 +10,7 @@ import os
 import stat
 import time
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import trio
 
@@ -41,6 +42,16 @@ class Handle:
     writable: bool
     session: int
     backed: bool = False   # its client holds the object's memfd (`backing`)
+
+
+class Lent(NamedTuple):
+    """A backing file lent for a read-only open (Store.backing_loaded)."""
+    fd: int
+    size: int
+    # True: the object's memfd, which names the file's bytes as long as bluecached says so
+    # (hostd may keep it: hostd/kept_backings.py). False: a clone of its NVMe extent, the
+    # bytes as they were at this open, for this open's handles only.
+    keepable: bool = True
 
 
 def _writable(flags: int) -> bool:
@@ -491,7 +502,8 @@ class Store:
         size = node.size
         length = max(0, min(length, size - offset))
         end = offset + length
-        if (self.tiers.promotions.mode != "direct" or not length or obj.extent is None
+        if (self.tiers.promotions.mode not in ("direct", "clone") or not length
+                or obj.extent is None
                 or offset % CHUNK_SIZE or region_offset % PAGE_SIZE
                 or (end % CHUNK_SIZE and end != size)):
             return None
@@ -775,27 +787,66 @@ class Store:
             handle.backed = True
             node.obj.backed += 1
 
-    async def backing_loaded(self, fh: int) -> tuple[int, int]:
+    async def backing_loaded(self, fh: int) -> Lent:
         """As backing(), for a read-only handle whose object is only on NVMe, by
-        tiers.nvme.hit_path: direct (the default), no backing (ENODATA): its reads go through
-        hostd and are read from the disk straight into the reply (_read_from_nvme); an open
-        of it after such a hit promotes it (Store.open). stream: its promotion starts here,
-        no backing; reads are served as its chunks come in checked, opens after it read the
-        memfd by passthrough. promote: promoted whole first, and this open reads the memfd.
-        Objects in the remote tier are left to reads, which are served chunk by chunk as the
-        fetch arrives."""
+        tiers.nvme.hit_path: clone, a reflink clone of its extent (_clone_from_nvme), read by
+        the kernel itself and checked by the filesystem; direct (also clone's fallback), no
+        backing (ENODATA): its reads go through hostd and are read from the disk straight into
+        the reply (_read_from_nvme). An open of it after such a hit promotes it (Store.open).
+        stream: its promotion starts here, no backing; reads are served as its chunks come in
+        checked, opens after it read the memfd by passthrough. promote: promoted whole first,
+        and this open reads the memfd. Objects in the remote tier are left to reads, which are
+        served chunk by chunk as the fetch arrives."""
         handle = self._handle(fh)
         node = handle.node
         obj = node.obj
         if (obj.chunks is None and obj.remote_info is None and obj.arrival is None
                 and not handle.writable and not obj.writers and node.ino not in self.tmp_inos):
             promotions = self.tiers.promotions
-            if promotions.mode == "stream":
+            if promotions.mode == "clone":
+                fd = await self._clone_from_nvme(handle)
+                if fd is not None:
+                    return Lent(fd, node.size, keepable=False)
+            elif promotions.mode == "stream":
                 promotions.start(node)
             elif promotions.mode == "promote":
                 async with obj.content_lock():
                     await self.tiers.promote(node)
-        return self.backing(fh)
+        return Lent(*self.backing(fh))
+
+    async def _clone_from_nvme(self, handle: Handle) -> int | None:
+        """A read-only fd of a clone of the object's NVMe extent (tiers/nvme_clone.py), counted
+        as a hit on NVMe; None where there is none to give: a size not of whole pages (the
+        pad after it would show), a filesystem that refused, or the object changed meanwhile."""
+        node = handle.node
+        obj = node.obj
+        extent, version, size = obj.extent, obj.version, node.size
+        if extent is None or not size or size % PAGE_SIZE:
+            return None
+        self.tiers.pin(obj)   # no eviction frees the extent meanwhile
+        try:
+            fd = await trio.to_thread.run_sync(self.tiers.nvme.clone, extent, size)
+        except OSError as e:
+            log.warning("no clone of inode %d's NVMe extent: %s (read through bluecached)",
+                        node.ino, e)
+            return None
+        finally:
+            self.tiers.unpin(obj)
+        if (obj.extent is not extent or obj.version != version or node.size != size
+                or obj.chunks is not None or obj.writers):
+            os.close(fd)   # it changed under the clone: the usual way
+            return None
+        if not obj.read_from_nvme:
+            obj.read_from_nvme = True
+            self.tiers.stats.nvme.hits += 1
+        self.tiers.stats.nvme.clones += 1
+        node.atime_ns = self.clock()
+        self.tiers.touch(node)
+        if self.remote is not None:
+            self.remote.note_read(node)
+            if node.parent is not None:
+                self.remote.admit(node, "read")
+        return fd
 
     def release(self, fh: int) -> None:
         handle = self.handles.pop(fh, None)

@@ -619,7 +619,8 @@ class DaemonLink:
             r = await self.call("open", ino=ino, flags=flags)
         attr = Attr.from_wire(r["attr"])
         fh = self._opened(attr, flags, r, fd)
-        if fd is not None and reading and self.kept is not None and self.daemon_keeps:
+        if (fd is not None and reading and self.kept is not None and self.daemon_keeps
+                and r.get("backing_keep", True)):   # False: a clone of the NVMe extent
             self.kept.keep(ino, fd, r["backing_size"], attr, self.generation, stamp)
         return fh, attr
 

@@ -16,6 +16,7 @@ if [ "${1:-}" = "--test" ]; then
              pybuild-plugin-pyproject python3-all-dev python3-setuptools python3-cffi
              ceph-mon ceph-mgr ceph-osd radosgw ceph-common uuid-runtime
              rsync    # tests/mount/test_special_files.py: rsync -aH of links
+             btrfs-progs   # the NVMe tier on btrfs: hits as clones (tests' scratch btrfs)
              podman runc)   # tests/deploy/test_images.py: the container images, run for real
 fi
 need_apt=()

@@ -1,6 +1,8 @@
+import shutil
+
 import pytest
 
-from support import Harness
+from support import Harness, ScratchBtrfs
 
 LOG_TAIL_LINES = 150   # of each daemon's log, in the report of a test that failed
 DAEMON_LOGS = pytest.StashKey[list]()   # the log files of the daemons a test started
@@ -135,3 +137,14 @@ def bucket(ceph, tmp_path):
     ceph.s3_client().create_bucket(Bucket=name)
     creds = ceph.write_credentials(tmp_path / "s3-credentials")
     return name, creds
+
+
+@pytest.fixture
+def btrfs(tmp_path):
+    """A scratch btrfs on a loop device (support.ScratchBtrfs). Ask for it before the daemons
+    that use it, so that it goes after them."""
+    if shutil.which("mkfs.btrfs") is None:
+        pytest.skip("mkfs.btrfs is not installed (btrfs-progs: scripts/setup.sh --test)")
+    fs = ScratchBtrfs(tmp_path / "btrfs")
+    yield fs
+    fs.close()

@@ -2,6 +2,7 @@
 
 import errno
 import hashlib
+import mmap
 import os
 import stat
 from pathlib import Path
@@ -504,3 +505,46 @@ def pmd_mapped_kib(fd: int, length: int) -> int:
         for offset in range(0, length, 2 << 20):
             whole[offset]
         return smaps_fields(os.fstat(fd).st_ino, length).get("ShmemPmdMapped", 0)
+
+
+class ScratchBtrfs:
+    """A real btrfs (data checksums on, as by default) on a loop device over a sparse file: the
+    filesystem under the NVMe tier where its hits are reflink clones read by the kernel
+    (bluecached/tiers/nvme_clone.py). Root, losetup and mkfs.btrfs (btrfs-progs) needed."""
+
+    def __init__(self, root: Path, size: int = 512 << 20):
+        root.mkdir(parents=True, exist_ok=True)
+        self.image = root / "btrfs.img"
+        self.path = root / "fs"
+        self.path.mkdir()
+        with open(self.image, "wb") as f:
+            f.truncate(size)
+        self.device = subprocess.run(
+            ["losetup", "--find", "--show", "--direct-io=on", str(self.image)],
+            check=True, capture_output=True, text=True).stdout.strip()
+        try:
+            subprocess.run(["mkfs.btrfs", "-q", "-f", self.device], check=True,
+                           capture_output=True)
+            subprocess.run(["mount", self.device, str(self.path)], check=True,
+                           capture_output=True)
+        except BaseException:
+            subprocess.run(["losetup", "-d", self.device], check=False)
+            raise
+
+    def rot(self, marker: bytes, at: int) -> int:
+        """Flips one byte `at` bytes past where `marker` (a page of file data, unique) sits on
+        the device, beneath btrfs: rot on the disk. Returns the device offset changed."""
+        os.sync()
+        with open(self.image, "r+b") as f, mmap.mmap(f.fileno(), 0) as m:
+            where = m.find(marker)
+            assert where >= 0 and m.find(marker, where + 1) < 0, "marker not found once"
+            m[where + at] ^= 0xFF
+            m.flush()
+        os.sync()
+        Path("/proc/sys/vm/drop_caches").write_text("3")   # btrfs must read the disk again
+        return where + at
+
+    def close(self) -> None:
+        # lazy: a daemon the test left running still holds it (the device goes with it)
+        subprocess.run(["umount", "-l", str(self.path)], check=False, capture_output=True)
+        subprocess.run(["losetup", "-d", self.device], check=False, capture_output=True)

@@ -183,16 +183,22 @@ BLUECACHED = Schema("Config", (
                                   "4096. Also the largest file the cache holds (an object is "
                                   "one extent inside a segment): a write or truncate past it "
                                   "fails with EFBIG. Fixed once segments are written."),
-            "hit_path": Field(as_choice("direct", "stream", "promote"), "direct",
-                              "How a read of an object only on NVMe is served. direct: read "
+            "hit_path": Field(as_choice("auto", "clone", "direct", "stream", "promote"), "auto",
+                              "How a read of an object only on NVMe is served. auto: clone "
+                              "where the filesystem of tiers.nvme.path checks its data "
+                              "(btrfs with data checksums), else direct. clone: the open gets a "
+                              "reflink clone of the object's extent, read by the kernel itself "
+                              "(FUSE passthrough), btrfs checking each block's crc32c; a file "
+                              "not a whole number of 4KiB pages is read as direct; refused at "
+                              "start where the filesystem does not check. direct: read "
                               "from the disk straight into the reply (hostd's staging slot), "
                               "each 1MiB chunk answered once its CRC32C matched; no DRAM "
                               "taken; the object's next open brings it into DRAM (stream). "
                               "stream: brought into DRAM, each chunk served as soon as it is "
                               "in and checked; opens after it read DRAM by passthrough. "
                               "promote: the open waits until the whole object is in DRAM "
-                              "and checked. (Reads of an NVMe hit go through hostd; DRAM "
-                              "hits are read by the kernel itself.)"),
+                              "and checked. (Reads of an NVMe hit other than clone go "
+                              "through hostd; DRAM hits are read by the kernel itself.)"),
             "read_depth": Field(as_count(minimum=1, maximum=256), 4,
                                 "Reads of hit_path direct that bluecached keeps on the disk at "
                                 "once, all objects together; one object's go one at a time, "

@@ -22,6 +22,8 @@ from operator import itemgetter
 from pathlib import Path
 from typing import NamedTuple
 
+from . import nvme_clone
+
 log = logging.getLogger("bluecached.tiers.nvme")
 
 ALIGN = 4096
@@ -476,6 +478,19 @@ class SegmentStore:
                     pos += len(v)
             finally:
                 page.release()
+
+    def clone(self, extent: Extent, length: int) -> int:
+        """A read-only fd of a new unnamed file holding the extent's first `length` bytes, a
+        multiple of ALIGN, sharing their disk blocks (tiers/nvme_clone.py). Blocking. Raises
+        NvmeError (EOPNOTSUPP where the filesystem has no reflinks)."""
+        k = self._locate(extent)
+        if length <= 0 or length % ALIGN or length > extent.length:
+            raise ValueError(f"cannot clone {length} bytes of {extent}: whole pages only")
+        start = extent.offset - k * self.segment_size
+        try:
+            return nvme_clone.clone(self._fd(k, create=False), start, length, self.path)
+        except OSError as e:
+            raise NvmeError(e.errno, f"clone: {e.strerror}", str(self._seg_path(k))) from e
 
     def sync(self) -> None:
         """Makes the writes completed before the call durable (a no-op unless durable).

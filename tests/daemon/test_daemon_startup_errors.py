@@ -107,3 +107,12 @@ def test_a_metrics_port_in_use(tmp_path):
         assert start(tmp_path, **{"metrics.listen": listen}) == [
             f"bluecached: cannot start: metrics endpoint {listen}: cannot listen: "
             "Address already in use"]
+
+
+def test_nvme_hits_as_clones_where_the_filesystem_checks_nothing(tmp_path):
+    """tiers.nvme.hit_path clone lets the kernel read the disk unchecked by bluecached: only
+    on a filesystem that checks its data itself (btrfs). tmp_path is not one here."""
+    (error,) = start(tmp_path, **{"tiers.nvme.hit_path": "clone"})
+    assert error.startswith(f"bluecached: cannot start: tiers.nvme.hit_path clone: "
+                            f"{tmp_path / 'nvme'}: not btrfs: the filesystem keeps no "
+                            "checksums of file data; use direct")

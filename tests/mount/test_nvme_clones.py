@@ -1,0 +1,94 @@
+"""NVMe hits on a btrfs NVMe tier (tiers.nvme.hit_path auto): the open gets a reflink clone of
+the object's extent, the kernel reads it by FUSE passthrough, and btrfs checks each block it
+reads against its own crc32c. A real btrfs on a loop device (support.ScratchBtrfs)."""
+
+import errno
+import os
+
+import pytest
+from test_read_ahead import pread_aligned, write_closed
+
+MIB = 1 << 20
+
+
+def _stats(stack) -> dict:
+    client = stack.daemon.client()
+    try:
+        return client.call("stats")
+    finally:
+        client.close()
+
+
+def _restart_daemon(stack) -> None:
+    """SIGTERM (everything written behind to NVMe), started again: every file is on NVMe
+    only; hostd reconnects by itself."""
+    assert stack.daemon.stop() == 0
+    stack.daemon.start()
+
+
+def _nvme_on(btrfs) -> dict:
+    return {"tiers.nvme.path": str(btrfs.path / "nvme"), "tiers.nvme.size": "256MiB"}
+
+
+def test_an_nvme_hit_on_btrfs_is_read_by_the_kernel_from_a_clone(btrfs, mounted):
+    stack = mounted(allow_log=["lost bluecached"], **_nvme_on(btrfs))
+    data = os.urandom(6 * MIB)   # whole pages
+    write_closed(stack, stack.path("cold.bin"), data)
+    _restart_daemon(stack)
+    fd = os.open(stack.path("cold.bin"), os.O_RDONLY | os.O_DIRECT)   # as vLLM reads
+    try:
+        assert pread_aligned(fd, len(data) + MIB, 0) == data
+        assert pread_aligned(fd, 2 * MIB, 5 * MIB) == data[5 * MIB:]
+    finally:
+        os.close(fd)
+    nvme = _stats(stack)["tiers"]["nvme"]
+    assert (nvme["hits"], nvme["clones"], nvme["bytes_out"]) == (1, 1, 0)   # no READ at all
+    # The clone is this open's (hostd keeps no clone for later opens): the next open is
+    # bluecached's to answer (it promotes the object into DRAM), the bytes the same.
+    assert stack.path("cold.bin").read_bytes() == data
+    assert _stats(stack)["tiers"]["nvme"]["clones"] == 1
+    assert stack.path("cold.bin").read_bytes() == data
+    stack.hostd.stop(timeout=30)   # no open was answered from a clone kept by hostd
+    assert ", of them answered by hostd alone: 0" in stack.hostd.log.read_text()
+
+
+def test_a_file_not_of_whole_pages_is_read_through_bluecached(btrfs, mounted, engine):
+    """Its clone would show the extent's pad past the end: hit_path direct instead (which
+    the doca engine serves as stream: it maps no reply memory in bluecached)."""
+    stack = mounted(allow_log=["lost bluecached"], **_nvme_on(btrfs))
+    data = os.urandom(3 * MIB + 100)
+    write_closed(stack, stack.path("odd.bin"), data)
+    _restart_daemon(stack)
+    fd = os.open(stack.path("odd.bin"), os.O_RDONLY)
+    try:
+        assert pread_aligned(fd, 4 * MIB, 0) == data
+    finally:
+        os.close(fd)
+    nvme = _stats(stack)["tiers"]["nvme"]
+    assert (nvme["clones"], nvme["bytes_out"]) == (0, len(data) if engine == "loopback" else 0)
+
+
+@pytest.mark.parametrize("direct", [True, False], ids=["O_DIRECT", "buffered"])
+def test_rot_under_a_clone_is_eio_not_wrong_bytes(btrfs, mounted, direct):
+    """A byte flipped on the disk beneath btrfs: the reader of the clone gets EIO (btrfs's
+    crc32c), never the changed bytes; so does every later open, until the file is written
+    again."""
+    stack = mounted(allow_log=["lost bluecached", "checksum", "NVMe", "promot", "EIO",
+                               "Input/output error"], **_nvme_on(btrfs))
+    data = bytearray(os.urandom(4 * MIB))
+    marker = bytes(data[MIB:MIB + 4096])
+    write_closed(stack, stack.path("rot.bin"), bytes(data))
+    _restart_daemon(stack)
+    btrfs.rot(marker, 100)
+    for _ in range(2):
+        fd = os.open(stack.path("rot.bin"), os.O_RDONLY | (os.O_DIRECT if direct else 0))
+        got = b""
+        try:
+            with pytest.raises(OSError) as raised:
+                while piece := pread_aligned(fd, len(data), len(got)):   # a reader's loop
+                    got += piece
+            assert raised.value.errno == errno.EIO
+            assert got == data[:len(got)], "changed bytes were handed out"
+            assert len(got) <= MIB + 100   # at most the bytes before the bad block
+        finally:
+            os.close(fd)
