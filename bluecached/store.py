@@ -42,6 +42,7 @@ class Handle:
     writable: bool
     session: int
     backed: bool = False   # its client holds the object's memfd (`backing`)
+    unbuffered: bool = False   # opened O_DIRECT: its reads bypass the page cache
 
 
 class Lent(NamedTuple):
@@ -406,7 +407,8 @@ class Store:
     def _open(self, node: Inode, flags: int, session: int) -> Handle:
         fh = self._next_fh
         self._next_fh += 1
-        handle = Handle(fh, node, _writable(flags), session)
+        handle = Handle(fh, node, _writable(flags), session,
+                        unbuffered=bool(flags & os.O_DIRECT))
         self.handles[fh] = handle
         obj = node.obj
         obj.opens += 1
@@ -789,8 +791,11 @@ class Store:
 
     async def backing_loaded(self, fh: int) -> Lent:
         """As backing(), for a read-only handle whose object is only on NVMe, by
-        tiers.nvme.hit_path: clone, a reflink clone of its extent (_clone_from_nvme), read by
-        the kernel itself and checked by the filesystem; direct (also clone's fallback), no
+        tiers.nvme.hit_path: clone, for an O_DIRECT open, a reflink clone of its extent
+        (_clone_from_nvme), read by the kernel itself and checked by the filesystem (a
+        buffered reader would fill a page cache of the clone's own, dropped at its close:
+        slower and far noisier than direct, docs/benchmarks/hit-notes.md); direct (also
+        clone's fallback and its buffered opens), no
         backing (ENODATA): its reads go through hostd and are read from the disk straight into
         the reply (_read_from_nvme). An open of it after such a hit promotes it (Store.open).
         stream: its promotion starts here, no backing; reads are served as its chunks come in
@@ -803,7 +808,7 @@ class Store:
         if (obj.chunks is None and obj.remote_info is None and obj.arrival is None
                 and not handle.writable and not obj.writers and node.ino not in self.tmp_inos):
             promotions = self.tiers.promotions
-            if promotions.mode == "clone":
+            if promotions.mode == "clone" and handle.unbuffered:
                 fd = await self._clone_from_nvme(handle)
                 if fd is not None:
                     return Lent(fd, node.size, keepable=False)

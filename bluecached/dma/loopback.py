@@ -11,6 +11,7 @@ import array
 import ctypes
 import errno
 import fcntl
+import gc
 import logging
 import mmap
 import os
@@ -108,8 +109,20 @@ class LoopbackEngine(DmaEngine):
             cuda.close_ipc(base)
             return
         mapping, view, _ = region.handle
-        view.release()
-        mapping.close()
+        try:
+            view.release()
+            mapping.close()
+        except BufferError:
+            # A slice of it outlived its request: a failed disk read's traceback keeps the
+            # views it was handed until the garbage collector breaks the exception's cycles
+            # (seen: an EIO from btrfs under hit_path direct; this took the daemon down).
+            gc.collect()
+            try:
+                view.release()
+                mapping.close()
+            except BufferError:
+                log.warning("region %d: a view of its memory is still held; it is unmapped "
+                            "when that goes", region.id)
 
     async def to_store(self, region, offset, dst) -> None:
         if region.kind == "cuda_ipc":
