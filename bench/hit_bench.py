@@ -372,7 +372,7 @@ def summarize(runs: list[dict], threads_list: list[int]) -> dict:
     return {"ratios": summary, "ttlb_ms": ttlb}
 
 
-def write_report(results: dict, out_dir: Path) -> None:
+def write_report(results: dict, out_dir: Path, out_name: str = "hit") -> None:
     names = {"store": "store (llm-d) vs tmpfs", "llmd": "load, llm-d read() vs tmpfs",
              "vllm": "load, vLLM O_DIRECT readv vs tmpfs",
              "llmd_nvme": "NVMe-tier load, llm-d vs cold plain dir",
@@ -396,6 +396,8 @@ def write_report(results: dict, out_dir: Path) -> None:
                 for k, v in results.get(given, {}).items()]
     lines += [f"Settings: {', '.join(settings) if settings else 'the defaults'} (besides the "
               "bench's own tier sizes).", ""]
+    lines += ["NVMe tier and the plain directory compared with it: "
+              f"{results.get('disk', '/var/tmp')} ({results.get('disk_options', '?')}).", ""]
     if results.get("tmpfs", "/dev/shm") != "/dev/shm":
         lines += [f"tmpfs baseline: {results['tmpfs']} ({results.get('tmpfs_options', '?')}), "
                   "not /dev/shm.", ""]
@@ -436,7 +438,7 @@ def write_report(results: dict, out_dir: Path) -> None:
         fig.tight_layout()
         fig.savefig(path, dpi=110)
 
-    harness.write_results(out_dir, "hit", results, "\n".join(lines), plot)
+    harness.write_results(out_dir, out_name, results, "\n".join(lines), plot)
 
 
 def main() -> int:
