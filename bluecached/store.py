@@ -778,16 +778,10 @@ class Store:
 
     def _lent_to(self, handle: Handle) -> None:
         """The handle's client reads the memfd from now on, unseen: counted as a read."""
-        node = handle.node
-        node.atime_ns = self.clock()
-        self.tiers.touch(node)
-        if self.remote is not None:
-            self.remote.note_read(node)
-            if node.parent is not None:
-                self.remote.admit(node, "read")
+        self._read_unseen(handle.node)
         if not handle.backed:
             handle.backed = True
-            node.obj.backed += 1
+            handle.node.obj.backed += 1
 
     async def backing_loaded(self, fh: int) -> Lent:
         """As backing(), for a read-only handle whose object is only on NVMe, by
@@ -845,13 +839,18 @@ class Store:
             obj.read_from_nvme = True
             self.tiers.stats.nvme.hits += 1
         self.tiers.stats.nvme.clones += 1
+        self._read_unseen(node)
+        return fd
+
+    def _read_unseen(self, node: Inode) -> None:
+        """A client's kernel reads the file's bytes from a backing file bluecached lent: as a
+        read for the LRU, atime and the remote tier's admission."""
         node.atime_ns = self.clock()
         self.tiers.touch(node)
         if self.remote is not None:
             self.remote.note_read(node)
             if node.parent is not None:
                 self.remote.admit(node, "read")
-        return fd
 
     def release(self, fh: int) -> None:
         handle = self.handles.pop(fh, None)
