@@ -344,6 +344,7 @@ def _cannot_listen(endpoint: str, reason: str) -> StartupError:
         reason = f"{kind} of that name is in the way"
     return StartupError(f"cannot listen on {path}: {reason}")
 
+
 def _hit_path(configured: str, nvme_path: Path) -> str:
     """tiers.nvme.hit_path as it will run: auto is clone where the NVMe directory's filesystem
     checks its data itself (tiers/nvme_clone.py), else direct; clone where it does not is a
@@ -359,7 +360,6 @@ def _hit_path(configured: str, nvme_path: Path) -> str:
                            f"put tiers.nvme.path on btrfs with data checksums")
     log.info("NVMe hits: read and checked by bluecached (hit_path direct: %s)", why)
     return "direct"
-
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -389,4 +389,3 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
-

@@ -531,9 +531,9 @@ class ScratchBtrfs:
             subprocess.run(["losetup", "-d", self.device], check=False)
             raise
 
-    def rot(self, marker: bytes, at: int) -> int:
+    def rot(self, marker: bytes, at: int) -> None:
         """Flips one byte `at` bytes past where `marker` (a page of file data, unique) sits on
-        the device, beneath btrfs: rot on the disk. Returns the device offset changed."""
+        the device, beneath btrfs: rot on the disk."""
         os.sync()
         with open(self.image, "r+b") as f, mmap.mmap(f.fileno(), 0) as m:
             where = m.find(marker)
@@ -542,7 +542,6 @@ class ScratchBtrfs:
             m.flush()
         os.sync()
         Path("/proc/sys/vm/drop_caches").write_text("3")   # btrfs must read the disk again
-        return where + at
 
     def close(self) -> None:
         # lazy: a daemon the test left running still holds it (the device goes with it)

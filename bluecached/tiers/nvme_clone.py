@@ -21,6 +21,7 @@ import ctypes
 import ctypes.util
 import fcntl
 import os
+import re
 import struct
 from pathlib import Path
 
@@ -44,6 +45,9 @@ def _fs_magic(path: Path) -> int:
     return buf.f_type & 0xFFFFFFFF
 
 
+_OCTAL = re.compile(r"\\([0-7]{3})")   # how mountinfo escapes space, tab, newline, backslash
+
+
 def _mount_options(path: Path) -> set[str]:
     """The mount and superblock options of the mount holding `path` (/proc/self/mountinfo)."""
     real = os.path.realpath(path)
@@ -52,7 +56,7 @@ def _mount_options(path: Path) -> set[str]:
         for line in f:
             fields = line.split()
             sep = fields.index("-")
-            point = fields[4].encode().decode("unicode_escape")   # \040 for a space
+            point = _OCTAL.sub(lambda m: chr(int(m[1], 8)), fields[4])   # \040: a space
             inside = real == point or real.startswith(point.rstrip("/") + "/")
             if inside and len(point) >= len(best):
                 best = point

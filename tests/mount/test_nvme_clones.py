@@ -6,24 +6,11 @@ import errno
 import os
 
 import pytest
+from test_passthrough import _dram_stats as tier_stats
+from test_passthrough import _restart_daemon
 from test_read_ahead import pread_aligned, write_closed
 
 MIB = 1 << 20
-
-
-def _stats(stack) -> dict:
-    client = stack.daemon.client()
-    try:
-        return client.call("stats")
-    finally:
-        client.close()
-
-
-def _restart_daemon(stack) -> None:
-    """SIGTERM (everything written behind to NVMe), started again: every file is on NVMe
-    only; hostd reconnects by itself."""
-    assert stack.daemon.stop() == 0
-    stack.daemon.start()
 
 
 def _nvme_on(btrfs) -> dict:
@@ -41,12 +28,12 @@ def test_an_nvme_hit_on_btrfs_is_read_by_the_kernel_from_a_clone(btrfs, mounted)
         assert pread_aligned(fd, 2 * MIB, 5 * MIB) == data[5 * MIB:]
     finally:
         os.close(fd)
-    nvme = _stats(stack)["tiers"]["nvme"]
+    nvme = tier_stats(stack)["nvme"]
     assert (nvme["hits"], nvme["clones"], nvme["bytes_out"]) == (1, 1, 0)   # no READ at all
     # The clone is this open's (hostd keeps no clone for later opens): the next open is
     # bluecached's to answer (it promotes the object into DRAM), the bytes the same.
     assert stack.path("cold.bin").read_bytes() == data
-    assert _stats(stack)["tiers"]["nvme"]["clones"] == 1
+    assert tier_stats(stack)["nvme"]["clones"] == 1
     assert stack.path("cold.bin").read_bytes() == data
     stack.hostd.stop(timeout=30)   # no open was answered from a clone kept by hostd
     assert ", of them answered by hostd alone: 0" in stack.hostd.log.read_text()
@@ -69,7 +56,7 @@ def test_buffered_opens_and_odd_sizes_are_read_through_bluecached(btrfs, mounted
             assert pread_aligned(fd, 4 * MIB, 0) == data
         finally:
             os.close(fd)
-    nvme = _stats(stack)["tiers"]["nvme"]
+    nvme = tier_stats(stack)["nvme"]
     served = sum(len(data) for data, _ in files.values()) if engine == "loopback" else 0
     assert (nvme["clones"], nvme["bytes_out"]) == (0, served)
 

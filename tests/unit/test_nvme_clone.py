@@ -29,6 +29,18 @@ def test_only_a_filesystem_that_checks_its_data_allows_clones(tmp_path, btrfs):
     assert "nodatacow" in nvme_clone.unchecked_reason(nocow)
 
 
+def test_a_btrfs_mounted_without_data_checksums_allows_no_clones(tmp_path, btrfs):
+    """Seen through a mount point whose name mountinfo escapes (a space: \\040)."""
+    spaced = tmp_path / "a b"
+    spaced.mkdir()
+    subprocess.run(["mount", "--bind", str(btrfs.path), str(spaced)], check=True)
+    try:
+        subprocess.run(["mount", "-o", "remount,nodatasum", str(btrfs.path)], check=True)
+        assert "nodatasum" in nvme_clone.unchecked_reason(spaced)
+    finally:
+        subprocess.run(["umount", str(spaced)], check=True)
+
+
 def test_a_clone_keeps_the_bytes_it_was_made_with(btrfs):
     store = SegmentStore(btrfs.path / "nvme", 64 * MIB, 16 * MIB)
     try:
