@@ -222,7 +222,8 @@ class ControlServer:
         return {}
 
     async def op_lookup(self, session, parent, name) -> dict:
-        return self._known(session, await self.store.find(parent, name))
+        reader = session.id if session.local else None   # lent fds reach local clients only
+        return self._known(session, await self.store.find(parent, name, reader))
 
     async def op_forget(self, session, inos, counts) -> dict:
         if len(inos) != len(counts):

@@ -79,6 +79,9 @@ class Store:
         self._next_fh = 1
         self.tmp_inos: set[int] = set()
         self.kernel_writers: dict[int, Inode] = {}   # written by a client's kernel (observe)
+        # session: whether its last read-only open was O_DIRECT (vLLM's reader), for the
+        # clones started at its lookups (_clone_ahead)
+        self._unbuffered_readers: dict[int, bool] = {}
         self._kernel_writers_changed = trio.Event()
         self.logical_bytes = 0
         self.remote = None   # a RemoteTier when configured (compose.add_remote_tier sets it)
@@ -258,11 +261,15 @@ class Store:
     def lookup(self, parent: int, name: bytes) -> Inode:
         return self.ns.lookup(parent, name)
 
-    async def find(self, parent: int, name: bytes) -> Inode:
-        """A client's lookup: the namespace, then the remote tier (a miss stays ENOENT)."""
+    async def find(self, parent: int, name: bytes, reader: int | None = None) -> Inode:
+        """A client's lookup: the namespace, then the remote tier (a miss stays ENOENT).
+        `reader`: the session of a client on this host, whose open of the file may take a
+        clone started now (_clone_ahead)."""
         try:
             node = self.ns.lookup(parent, name)
             self.observe(node)
+            if reader is not None and self._unbuffered_readers.get(reader):
+                self._clone_ahead(node)
             return node
         except FsError as e:
             if e.errno != errno.ENOENT or self.remote is None:
@@ -410,6 +417,8 @@ class Store:
         handle = Handle(fh, node, _writable(flags), session,
                         unbuffered=bool(flags & os.O_DIRECT))
         self.handles[fh] = handle
+        if not handle.writable:
+            self._unbuffered_readers[session] = handle.unbuffered
         obj = node.obj
         obj.opens += 1
         if handle.writable:
@@ -799,8 +808,7 @@ class Store:
         handle = self._handle(fh)
         node = handle.node
         obj = node.obj
-        if (obj.chunks is None and obj.remote_info is None and obj.arrival is None
-                and not handle.writable and not obj.writers and node.ino not in self.tmp_inos):
+        if not handle.writable and self._only_on_nvme(node):
             promotions = self.tiers.promotions
             if promotions.mode == "clone" and handle.unbuffered:
                 fd = await self._clone_from_nvme(handle)
@@ -813,6 +821,20 @@ class Store:
                     await self.tiers.promote(node)
         return Lent(*self.backing(fh))
 
+    def _only_on_nvme(self, node: Inode) -> bool:
+        """Whether the file's bytes are in its NVMe extent alone, and written by nobody."""
+        obj = node.obj
+        return (obj.chunks is None and obj.remote_info is None and obj.arrival is None
+                and not obj.writers and node.ino not in self.tmp_inos)
+
+    def _clone_ahead(self, node: Inode) -> None:
+        """A lookup of a file an O_DIRECT open would read from a clone (backing_loaded):
+        the clone is started now, for that open to take (tiers/clone_ahead.py)."""
+        obj = node.obj
+        if (obj is not None and self.tiers.promotions.mode == "clone" and obj.extent is not None
+                and node.size and not node.size % PAGE_SIZE and self._only_on_nvme(node)):
+            self.tiers.promotions.clone_ahead(node)
+
     async def _clone_from_nvme(self, handle: Handle) -> int | None:
         """A read-only fd of a clone of the object's NVMe extent (tiers/nvme_clone.py), counted
         as a hit on NVMe; None where there is none to give: a size not of whole pages (the
@@ -824,7 +846,10 @@ class Store:
             return None
         self.tiers.pin(obj)   # no eviction frees the extent meanwhile
         try:
-            fd = await trio.to_thread.run_sync(self.tiers.nvme.clone, extent, size)
+            fd = await self.tiers.promotions.clones_ahead.take(node.ino, extent, version, size)
+            ahead = fd is not None
+            if fd is None:
+                fd = await trio.to_thread.run_sync(self.tiers.nvme.clone, extent, size)
         except OSError as e:
             log.warning("no clone of inode %d's NVMe extent: %s (read through bluecached)",
                         node.ino, e)
@@ -839,6 +864,7 @@ class Store:
             obj.read_from_nvme = True
             self.tiers.stats.nvme.hits += 1
         self.tiers.stats.nvme.clones += 1
+        self.tiers.stats.nvme.clones_ahead += ahead
         self._read_unseen(node)
         return fd
 
@@ -1060,6 +1086,7 @@ class Store:
         fhs = [h.fh for h in self.handles.values() if h.session == session]
         for fh in fhs:
             self.release(fh)
+        self._unbuffered_readers.pop(session, None)
         return len(fhs)
 
     def _remote_key(self, node: Inode) -> str | None:

@@ -48,6 +48,7 @@ class TierStats:
     bytes_in: int = 0
     bytes_out: int = 0   # served to readers straight from the tier (NVMe: hit_path direct)
     clones: int = 0      # opens lent a clone of the object's NVMe extent (hit_path clone)
+    clones_ahead: int = 0   # ... of them made at the lookup before the open (clone_ahead.py)
 
     def as_dict(self) -> dict:
         return dict(self.__dict__)

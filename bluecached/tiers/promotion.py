@@ -24,6 +24,7 @@ import trio
 from .. import crc
 from ..arrival import Arrival
 from ..namespace import FsError, Inode
+from .clone_ahead import ClonesAhead
 from .dram import CHUNK_SIZE, PAGE_SIZE
 from .nvme import Extent, SegmentStore
 from .objects import chunk_count
@@ -124,6 +125,7 @@ class Promotions:
         self.tiers = tiers
         self._nursery: trio.Nursery | None = None
         self._configured = "promote"
+        self.clones_ahead = ClonesAhead(lambda extent, size: tiers.nvme.clone(extent, size))
 
     def configure(self, hit_path: str) -> None:
         self._configured = hit_path
@@ -142,6 +144,20 @@ class Promotions:
                 await trio.sleep_forever()
             finally:
                 self._nursery = None
+
+    def clone_ahead(self, node: Inode) -> None:
+        """Starts the clone an O_DIRECT open of the object would wait for (clone_ahead.py):
+        the caller checked that such an open would clone it."""
+        if self._nursery is None or self.mode != "clone":
+            return
+        obj = node.obj
+
+        def pinned():   # no eviction frees the extent while it is cloned
+            self.tiers.pin(obj)
+            return lambda: self.tiers.unpin(obj)
+
+        self.clones_ahead.start(self._nursery, node.ino, obj.extent, obj.version, node.size,
+                                pinned)
 
     def start(self, node: Inode) -> Arrival | None:
         """The object's promotion in flight, or a new one; None where none can stream (the

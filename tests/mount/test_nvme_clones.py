@@ -39,6 +39,27 @@ def test_an_nvme_hit_on_btrfs_is_read_by_the_kernel_from_a_clone(btrfs, mounted)
     assert ", of them answered by hostd alone: 0" in stack.hostd.log.read_text()
 
 
+def test_the_clone_is_started_at_the_lookup_before_an_o_direct_open(btrfs, mounted):
+    """vLLM's reader looks each block up and opens it at once: once bluecached saw it open
+    O_DIRECT, the clone is made at the lookup (tiers/clone_ahead.py) and the open takes it."""
+    stack = mounted(allow_log=["lost bluecached"], **_nvme_on(btrfs))
+    blocks = {f"b{i}.bin": os.urandom(2 * MIB) for i in range(3)}
+    for name, data in blocks.items():
+        write_closed(stack, stack.path(name), data)
+    _restart_daemon(stack)
+    with open("/proc/sys/vm/drop_caches", "w") as f:
+        f.write("2")   # the kernel forgets the names: each open below sends a LOOKUP first
+    for name, data in blocks.items():
+        fd = os.open(stack.path(name), os.O_RDONLY | os.O_DIRECT)
+        try:
+            assert pread_aligned(fd, 3 * MIB, 0) == data
+        finally:
+            os.close(fd)
+    nvme = tier_stats(stack)["nvme"]
+    # the first lookup came before bluecached knew how this reader opens
+    assert (nvme["clones"], nvme["clones_ahead"], nvme["bytes_out"]) == (3, 2, 0)
+
+
 def test_buffered_opens_and_odd_sizes_are_read_through_bluecached(btrfs, mounted, engine):
     """A buffered reader would fill a page cache of the clone's own, dropped at its close; a
     clone of a file not of whole pages would show the extent's pad past the end: both are
