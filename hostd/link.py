@@ -493,12 +493,13 @@ class DaemonLink:
         (`host_fhs`), the daemon's handle (`fhs`) is looked up at each attempt (a restart
         re-opens it). It fails within `request_timeout`: a call made inside another (the
         re-open of a handle) shares the outer one's deadline."""
-        if self._releases_forwarded < self._releases_queued and not _overtakes(op, args):
-            await self._releases_sent(self._releases_queued)
         deadline = trio.current_time() + self.request_timeout
         outer = _CALL_DEADLINE.get()
         if outer is not None and outer < deadline:
             deadline = outer
+        if self._releases_forwarded < self._releases_queued and not _overtakes(op, args):
+            with trio.move_on_at(deadline):   # past it, the call fails as any would
+                await self._releases_sent(self._releases_queued)
         token = _CALL_DEADLINE.set(deadline)
         try:
             return await self._call_by(deadline, op, host_fh, host_fhs, with_fd, **args)

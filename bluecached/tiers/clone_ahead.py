@@ -87,10 +87,6 @@ class ClonesAhead:
             self.taken += 1
         return ahead.fd
 
-    def clear(self) -> None:
-        for ino in list(self._ahead):
-            self._drop(ino)
-
     async def _make(self, ino: int, ahead: _Ahead, unpin: Callable[[], None]) -> None:
         try:
             ahead.fd = await trio.to_thread.run_sync(self._clone, ahead.extent, ahead.size)

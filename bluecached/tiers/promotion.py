@@ -148,7 +148,7 @@ class Promotions:
     def clone_ahead(self, node: Inode) -> None:
         """Starts the clone an O_DIRECT open of the object would wait for (clone_ahead.py):
         the caller checked that such an open would clone it."""
-        if self._nursery is None or self.mode != "clone":
+        if self._nursery is None:
             return
         obj = node.obj
 
