@@ -216,14 +216,24 @@ class ControlServer:
                 # optional arguments this daemon knows, for clients newer than the protocol
                 # version they share with it
                 "features": ["kill_suidgid", "backing", "open_backing", "xattrs",
-                             "writer_backing", "open_kept"]}
+                             "writer_backing", "open_kept", "open_prepared"]}
 
     async def op_ping(self, session) -> dict:
         return {}
 
-    async def op_lookup(self, session, parent, name) -> dict:
-        reader = session.id if session.local else None   # lent fds reach local clients only
-        return self._known(session, await self.store.find(parent, name, reader))
+    async def op_lookup(self, session, parent, name, prepare=False) -> dict:
+        """With `prepare` (a client on this host), the reply may also carry `prepared`: a
+        read-only open right after would be given nothing to lend (Store.prepared_open), so
+        the client may answer that open itself and send it here after. An NVMe hit read
+        through the daemon then waits on this daemon once before its reads, not twice."""
+        local = session.local   # lent fds reach local clients only
+        node = await self.store.find(parent, name, session.id if local else None)
+        reply = self._known(session, node)
+        if prepare and local:
+            prepared = self.store.prepared_open(node, session.id)
+            if prepared is not None:
+                reply["prepared"] = prepared
+        return reply
 
     async def op_forget(self, session, inos, counts) -> dict:
         if len(inos) != len(counts):
@@ -275,7 +285,11 @@ class ControlServer:
         self.store.observe(handle.node)
         result = {"fh": handle.fh, "attr": handle.node.attrs()}
         if kept is not None:
-            result["kept"] = session.local and self.store.keep(handle.fh, kept)
+            try:
+                result["kept"] = session.local and self.store.keep(handle.fh, kept)
+            except FsError:
+                self.store.release(handle.fh)   # a malformed `kept`: no handle left behind
+                raise
         return await self._with_backing(session, handle, result) if backing else result
 
     async def _with_backing(self, session, handle, result: dict) -> dict | WithFd:

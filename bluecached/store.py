@@ -868,6 +868,27 @@ class Store:
         self._read_unseen(node)
         return fd
 
+    # -- opens prepared at the lookup (hostd/kept_backings.py) ---------------------------
+
+    def prepared_open(self, node: Inode, session: int) -> dict | None:
+        """What a read-only open of `node` right after this lookup would be given, where a
+        client on this host can answer that open itself and send it here after:
+        - {"kind": "plain"}: an object only on NVMe with hit_path direct: the reads of any
+          open go through the daemon, there is nothing to lend;
+        - {"kind": "buffered"}: the same for a buffered open only, with hit_path clone, for a
+          session whose last read-only open was buffered (an O_DIRECT open would clone);
+        - None: anything else (a memfd or a clone to lend, a promotion or a fetch to start,
+          a session not yet seen reading): the client asks at the open, as without this."""
+        if (not stat.S_ISREG(node.mode) or node.obj is None or node.parent is None
+                or not self._only_on_nvme(node)):
+            return None
+        mode = self.tiers.promotions.mode
+        if mode == "direct":
+            return {"kind": "plain"}
+        if mode == "clone" and self._unbuffered_readers.get(session) is False:
+            return {"kind": "buffered"}
+        return None
+
     def _read_unseen(self, node: Inode) -> None:
         """A client's kernel reads the file's bytes from a backing file bluecached lent: as a
         read for the LRU, atime and the remote tier's admission."""

@@ -288,7 +288,8 @@ async def run(cfg, path: Path | None, notifier, assignments: list[str] | None = 
                  link.read_ahead.served, link.read_ahead.wasted)
     if features is not None:
         log.info("%s%s", features.summary(), "" if link.kept is None else
-                 f", of them answered by hostd alone: {link.kept.answered}")
+                 f", of them answered by hostd alone: {link.kept.answered}"
+                 f" (kept files), {link.kept.answered_prepared} (prepared at the lookup)")
     log.info("stopped; hostd copied %d payload bytes", link.bytes_copied)
 
 

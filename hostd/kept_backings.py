@@ -19,6 +19,17 @@ An entry goes when
 A writer through another client of bluecached (not this hostd) is seen by the event or the next
 answer: readers served in between see the bytes as they were, as a reader that opened just
 before that write would.
+
+Files only on NVMe read through bluecached have nothing to keep or lend. For those, bluecached
+says so in the reply to the lookup that comes before the open (`lookup` with `prepare`:
+"plain", or "buffered" for a buffered open only, as an O_DIRECT one would read a clone). hostd
+holds that for the OPEN the kernel sends next, answers it alone and opens at bluecached right
+after, as for a kept memfd; the handle's first read waits for that. A vLLM hit on ext4
+(LOOKUP, OPEN, reads) then waits on bluecached once before its reads instead of twice. A
+prepared open is used once, by a read-only open within PREPARED_HOLD_S of its lookup, and
+goes as kept ones go (`changing`, restarts, the bound). It is only ever a promise that the
+open lends nothing: if the file came into DRAM meanwhile, its reads still go through
+bluecached, which serves them right.
 """
 
 import logging
@@ -29,6 +40,10 @@ from dataclasses import dataclass
 
 log = logging.getLogger("hostd.kept_backings")
 WARN_EVERY_S = 60.0
+# The OPEN follows its LOOKUP at once; lookups with no open after them (a scheduler's exists
+# checks) leave entries that go after this long, at most PREPARED_LIMIT held.
+PREPARED_HOLD_S = 1.0
+PREPARED_LIMIT = 64
 
 
 @dataclass
@@ -41,15 +56,25 @@ class Kept:
     used: float
 
 
+@dataclass
+class Prepared:
+    kind: str          # "plain" (any read-only open) or "buffered" (not O_DIRECT)
+    attr: object       # the file's Attr from the lookup
+    generation: int    # the link's, when it came
+    since: float
+
+
 class KeptBackings:
     def __init__(self, limit: int, idle: float, clock=time.monotonic):
         self.limit = limit
         self.idle = idle
         self.clock = clock
         self._kept: OrderedDict[int, Kept] = OrderedDict()
+        self._prepared: OrderedDict[int, Prepared] = OrderedDict()
         self._changes = 0      # bumps at each `changing`: an open that spanned one keeps nothing
         self.answered = 0      # opens answered from a kept memfd
         self.refused = 0       # kept memfds bluecached said were no longer the file's
+        self.answered_prepared = 0   # opens answered with what their lookup prepared
         self._warned = -WARN_EVERY_S
 
     def __len__(self) -> int:
@@ -94,10 +119,42 @@ class KeptBackings:
         self.answered += 1
         return fd, entry
 
+    def prepare(self, ino: int, what: dict, attr, generation: int, stamp: int) -> None:
+        """A lookup's reply prepared the next read-only open of `ino` (`what`): held for it,
+        replacing any earlier one; nothing if the inode changed here since `stamp`."""
+        self._prepared.pop(ino, None)
+        kind = what.get("kind")
+        if stamp != self._changes or self.limit <= 0 or kind not in ("plain", "buffered"):
+            return
+        now = self.clock()
+        self._expire_prepared(now)
+        self._prepared[ino] = Prepared(kind, attr, generation, now)
+        while len(self._prepared) > PREPARED_LIMIT:
+            self._prepared.popitem(last=False)
+
+    def take_prepared(self, ino: int, flags: int, generation: int) -> Prepared | None:
+        """What the lookup of `ino` prepared, for this read-only open to be answered with; None
+        where nothing was, or not for this open."""
+        entry = self._prepared.pop(ino, None)
+        if (entry is None or entry.generation != generation
+                or self.clock() - entry.since > PREPARED_HOLD_S
+                or (entry.kind == "buffered" and flags & os.O_DIRECT)):
+            return None
+        self.answered_prepared += 1
+        return entry
+
     def changing(self, ino: int) -> None:
         """This hostd is about to write `ino` or change its attributes."""
         self._changes += 1
         self.drop(ino)
+        self._prepared.pop(ino, None)
+
+    def _expire_prepared(self, now: float) -> None:
+        while self._prepared:
+            ino, entry = next(iter(self._prepared.items()))
+            if now - entry.since <= PREPARED_HOLD_S:
+                break
+            del self._prepared[ino]
 
     def refused_by_daemon(self, ino: int, identity: list) -> None:
         """bluecached's answer to a kept open: that memfd is not the file's any more."""
@@ -112,8 +169,10 @@ class KeptBackings:
             self._close(entry)
 
     def expire(self) -> None:
-        """Lets entries unused for `idle` seconds go (their memory is bluecached's to free)."""
+        """Lets entries unused for `idle` seconds go (their memory is bluecached's to free),
+        and prepared opens held past PREPARED_HOLD_S."""
         now = self.clock()
+        self._expire_prepared(now)
         while self._kept:
             ino, entry = next(iter(self._kept.items()))
             if now - entry.used <= self.idle:
@@ -123,6 +182,7 @@ class KeptBackings:
     def clear(self) -> None:
         while self._kept:
             self._close(self._kept.popitem()[1])
+        self._prepared.clear()
 
     def _warn(self, e: OSError) -> None:
         now = self.clock()

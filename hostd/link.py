@@ -298,6 +298,7 @@ class DaemonLink:
         self.daemon_opens_backed = False   # ... and with a read-only open (open's `backing`)
         self.daemon_backs_writers = False  # ... and a new file's with its create (or O_TRUNC)
         self.daemon_keeps = False   # ... and takes an open answered from a kept one (`kept`)
+        self.daemon_prepares = False   # ... or as its lookup prepared it (`lookup`'s `prepare`)
         self.kept = kept            # memfds kept for opens answered by hostd alone
         self._confirms_send, self._confirms = trio.open_memory_channel(float("inf"))
         # Whether the kernel can use a memfd (fusefs.Passthrough.negotiated): then read-only
@@ -366,6 +367,7 @@ class DaemonLink:
         self.daemon_opens_backed = "open_backing" in hello.get("features", ())
         self.daemon_backs_writers = "writer_backing" in hello.get("features", ())
         self.daemon_keeps = "open_kept" in hello.get("features", ())
+        self.daemon_prepares = "open_prepared" in hello.get("features", ())
         self.daemon_xattrs = "xattrs" in hello.get("features", ())
         if self.engine == "doca":
             await self._import_staging()
@@ -577,10 +579,26 @@ class DaemonLink:
     # -- the fusefs Cache interface --------------------------------------------------------
 
     async def lookup(self, parent, name) -> Attr:
-        attr = Attr.from_wire(await self.call("lookup", parent=parent, name=name))
+        if not self._answers_opens(self.daemon_prepares):
+            attr = Attr.from_wire(await self.call("lookup", parent=parent, name=name))
+        else:   # the open that follows may be answered here (hostd/kept_backings.py)
+            stamp = self.kept.stamp()
+            r = await self.call("lookup", parent=parent, name=name, prepare=True)
+            attr = Attr.from_wire(r)
+            if "prepared" in r:
+                self.kept.prepare(attr.ino, r["prepared"], attr, self.generation, stamp)
         if self.inflight.pending(attr.ino):   # its size may not count writes answered early
+            if self.kept is not None:
+                self.kept.changing(attr.ino)
             return await self.getattr(attr.ino)
         return attr
+
+    def _answers_opens(self, daemon_can: bool) -> bool:
+        """Whether read-only opens may be answered here (kept memfds, prepared opens): the
+        daemon takes them (`daemon_can`), they are not turned off (mount.kept_opens 0) and
+        the kernel can read a memfd itself (passthrough: the open may have to name the
+        inode's backing id, fusefs/passthrough.py)."""
+        return self.kept is not None and daemon_can and self.wants_backing()
 
     async def getattr(self, ino) -> Attr:
         await self.inflight.settled(ino)
@@ -633,8 +651,8 @@ class DaemonLink:
         reading = flags & os.O_ACCMODE == os.O_RDONLY and not flags & os.O_TRUNC
         if self.kept is not None and not reading:
             self.kept.changing(ino)
-        elif self.kept is not None and self.daemon_keeps and self.wants_backing():
-            answered = self._answer_kept(ino, flags)
+        elif self._answers_opens(self.daemon_keeps or self.daemon_prepares):
+            answered = self._answer_prepared(ino, flags) or self._answer_kept(ino, flags)
             if answered is not None:
                 return answered
         stamp = self.kept.stamp() if self.kept is not None else 0
@@ -653,38 +671,55 @@ class DaemonLink:
     def _answer_kept(self, ino: int, flags: int) -> tuple[int, Attr] | None:
         """A read-only open answered from the memfd kept for `ino`, bluecached told after
         (confirm_kept_opens); None if none is kept."""
+        if not self.daemon_keeps:
+            return None
         got = self.kept.take(ino, self.generation)
         if got is None:
             return None
         fd, entry = got
-        fh = self._add_file(ino, flags, None, entry.size)
+        return self._answered_here(ino, flags, entry.size, (fd, entry.size), entry.attr,
+                                   {"kept": entry.identity})
+
+    def _answer_prepared(self, ino: int, flags: int) -> tuple[int, Attr] | None:
+        """A read-only open answered as its lookup prepared: nothing to lend, its reads go
+        through bluecached; None if nothing was prepared for it."""
+        if not self.daemon_prepares:
+            return None
+        entry = self.kept.take_prepared(ino, flags, self.generation)
+        if entry is None:
+            return None
+        return self._answered_here(ino, flags, entry.attr.size, None, entry.attr, {})
+
+    def _answered_here(self, ino: int, flags: int, size: int, brought: tuple[int, int] | None,
+                       attr: Attr, confirm: dict) -> tuple[int, Attr]:
+        fh = self._add_file(ino, flags, None, size)
         self._files[fh].confirmed = trio.Event()
-        self._backings[fh] = (fd, entry.size)   # for backing(fh), asked next
-        self._confirms_send.send_nowait((self._files[fh], entry.identity))
-        return fh, entry.attr
+        self._backings[fh] = brought   # for backing(fh), asked next
+        self._confirms_send.send_nowait((self._files[fh], confirm))
+        return fh, attr
 
     async def confirm_kept_opens(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
-        """Sends bluecached each open answered from a kept memfd, once its kernel had the
-        answer: bluecached counts it as any open and says whether the memfd is still the
+        """Sends bluecached each open answered here, once its kernel had the answer:
+        bluecached counts it as any open and, for a kept memfd, says whether it is still the
         file's."""
         async with trio.open_nursery() as nursery:
             task_status.started()
-            async for f, identity in self._confirms:
-                nursery.start_soon(self._confirm_kept, f, identity)
+            async for f, confirm in self._confirms:
+                nursery.start_soon(self._confirm_kept, f, confirm)
 
-    async def _confirm_kept(self, f: OpenFile, identity: list) -> None:
+    async def _confirm_kept(self, f: OpenFile, confirm: dict) -> None:
         try:
-            r = await self.call("open", ino=f.ino, flags=f.flags, kept=identity)
+            r = await self.call("open", ino=f.ino, flags=f.flags, **confirm)
         except RemoteError as e:
             # No handle at bluecached (the file went, or bluecached is away): a call that
             # needs one opens it then (daemon_fh); its reader has the bytes it was given.
             f.generation = -1
             self.kept.drop(f.ino)
-            log.debug("kept open of inode %d not confirmed: %s", f.ino, e)
+            log.debug("open of inode %d answered here not confirmed: %s", f.ino, e)
         else:
             f.daemon_fh, f.generation = r["fh"], self.generation
-            if not r.get("kept"):
-                self.kept.refused_by_daemon(f.ino, identity)
+            if "kept" in confirm and not r.get("kept"):
+                self.kept.refused_by_daemon(f.ino, confirm["kept"])
         finally:
             f.confirmed.set()
 

@@ -240,7 +240,10 @@ class HostdCollector:
                     ("opens_answered_kept", "counter", kept.answered,
                      "Read-only opens answered by hostd alone from a kept file"),
                     ("opens_kept_refused", "counter", kept.refused,
-                     "Kept files bluecached said were no longer the file's bytes")):
+                     "Kept files bluecached said were no longer the file's bytes"),
+                    ("opens_answered_prepared", "counter", kept.answered_prepared,
+                     "Read-only opens answered by hostd alone with what their lookup "
+                     "prepared (a clone of an NVMe extent, or nothing to lend)")):
                 metric = family(f"bluecache_hostd_{name}", kind, text)
                 metric.add_metric([], value)
                 yield metric

@@ -42,7 +42,9 @@ _NEW = {**_PARENT_NAME, "mode": U32, "uid": U32, "gid": U32}
 OPS: dict[str, tuple[dict, dict]] = {
     "hello": ({"versions": U32_LIST}, {"client": STR, "replaces": U64}),
     "ping": ({}, {}),
-    "lookup": (_PARENT_NAME, {}),
+    # prepare: a read-only open right after may be answered by the client (feature
+    # open_prepared); the reply may then carry `prepared`
+    "lookup": (_PARENT_NAME, {"prepare": BOOL}),
     "getattr": ({"ino": U64}, {}),
     "setattr": ({"ino": U64}, {"size": U64, "mode": U32, "uid": U32, "gid": U32,
                                "atime_ns": I64, "mtime_ns": I64,

@@ -126,3 +126,48 @@ def test_over_zmq_it_is_always_enodata(daemon):
 
     trio.run(main)
     files.close()
+
+
+def test_a_lookup_prepares_the_open_of_a_file_only_on_nvme(daemon):
+    """lookup(prepare=True) from a client on this host: for a file only on NVMe read through
+    the daemon (hit_path direct, as on this ext4), the reply says that the open after it lends
+    nothing, so the client may answer that open itself (hostd/kept_backings.py). Not for a
+    file in DRAM, nor without `prepare`, nor over zmq (no client there answers opens)."""
+    d = daemon(allow_log=["lookup: argument 'prepare' must be bool"]).start()
+    files = FileClient(d)
+    files.put("/cold", pattern("cold", 2 * MiB))
+    files.close()
+    d.stop()
+    d.start()   # every file only on NVMe
+    files = FileClient(d)
+    files.put("/new", pattern("new", MiB))   # in DRAM
+
+    async def main():
+        async with trio.open_nursery() as nursery:
+            client = await _local_client(d, nursery)
+            assert "open_prepared" in client.hello["features"]
+            r = await client.call("lookup", parent=ROOT_INO, name=b"cold", prepare=True)
+            assert r["prepared"] == {"kind": "plain"}
+            # the promise holds: an open asking for the memfd gets none
+            opened, fd = await client.call_with_fd("open", ino=r["ino"], flags=os.O_RDONLY,
+                                                   backing=True)
+            assert fd is None and "backing_size" not in opened
+            await client.call("release", fh=opened["fh"])
+            assert "prepared" not in await client.call("lookup", parent=ROOT_INO, name=b"cold")
+            assert "prepared" not in await client.call("lookup", parent=ROOT_INO, name=b"new",
+                                                       prepare=True)
+            with pytest.raises(RemoteError) as e:
+                await client.call("lookup", parent=ROOT_INO, name=b"cold", prepare=1)
+            assert e.value.errno == errno.EINVAL
+            assert "prepared" not in files.client.call("lookup", parent=ROOT_INO, name=b"cold",
+                                                       prepare=True)
+            # a malformed `kept` fails the open and leaves no handle behind (this session's
+            # would go only when it ends)
+            with pytest.raises(RemoteError) as e:
+                await client.call("open", ino=r["ino"], flags=os.O_RDONLY, kept=[1, 2, 3])
+            assert e.value.errno == errno.EINVAL
+            assert await client.call("evict", path="/cold") == {"removed": 1, "skipped_open": 0}
+            nursery.cancel_scope.cancel()
+
+    trio.run(main, strict_exception_groups=True)
+    files.close()

@@ -11,7 +11,8 @@ import threading
 import time
 
 import pytest
-from test_read_ahead import CHANGES, write_closed
+from test_passthrough import _restart_daemon
+from test_read_ahead import CHANGES, pread_aligned, write_closed
 
 from support import MiB, pattern, wait_settled
 
@@ -100,6 +101,35 @@ def test_the_open_after_a_change_reads_the_change(mounted, change):
     assert read(path) == expected, f"stale bytes after {change}"
     assert read(path) == expected
     assert "of them answered by hostd alone: " in log_after_stop(s)
+
+
+def test_an_open_of_a_file_only_on_nvme_is_answered_as_its_lookup_prepared(mounted):
+    """hit_path direct (this ext4): the lookup's reply says that the open after it lends
+    nothing, and hostd answers that open alone, opening at bluecached right after (the first
+    read waits for it). Byte-exact, O_DIRECT and buffered; a write between a lookup and the
+    next open is read by that open."""
+    s = mounted(allow_log=["lost bluecached"])
+    blocks = {f"b{i}.bin": pattern(f"b{i}", 2 * MiB) for i in range(3)}
+    for name, data in blocks.items():
+        write_closed(s, s.mnt / name, data)
+    _restart_daemon(s)   # every file only on NVMe
+    with open("/proc/sys/vm/drop_caches", "w") as f:
+        f.write("2")   # the kernel forgets the names: each open below sends a LOOKUP first
+    for i, (name, data) in enumerate(blocks.items()):
+        fd = os.open(s.mnt / name, os.O_RDONLY | (os.O_DIRECT if i % 2 == 0 else 0))
+        try:
+            assert pread_aligned(fd, 3 * MiB, 0) == data
+        finally:
+            os.close(fd)
+    with open("/proc/sys/vm/drop_caches", "w") as f:
+        f.write("2")
+    path = s.mnt / "b1.bin"
+    os.stat(path)   # a LOOKUP: an open prepared ...
+    new = pattern("new", 2 * MiB)
+    with open(path, "r+b") as f:   # ... and let go by this write's open
+        f.write(new)
+    assert read(path) == new
+    assert "3 (prepared at the lookup)" in log_after_stop(s)
 
 
 def test_a_file_that_leaves_dram_is_let_go(mounted):

@@ -6,7 +6,7 @@ import resource
 
 import pytest
 
-from hostd.kept_backings import KeptBackings
+from hostd.kept_backings import PREPARED_HOLD_S, PREPARED_LIMIT, KeptBackings
 
 
 class Clock:
@@ -142,3 +142,68 @@ def test_out_of_fds_an_open_is_neither_kept_nor_failed(files, caplog):
     os.close(kept.take(1, 1)[0])
     assert "kept opens: Too many open files" in caplog.text
     kept.clear()
+
+
+# -- opens prepared at the lookup ------------------------------------------------------------
+
+def test_a_prepared_open_answers_the_next_read_only_open_once():
+    kept = KeptBackings(limit=4, idle=60)
+    kept.prepare(1, {"kind": "plain"}, attr="attr", generation=2, stamp=kept.stamp())
+    assert kept.take_prepared(1, os.O_RDONLY | os.O_DIRECT, generation=2).attr == "attr"
+    assert kept.take_prepared(1, os.O_RDONLY, generation=2) is None   # once
+    assert kept.answered_prepared == 1
+
+
+def test_buffered_is_for_buffered_opens_only():
+    """hit_path clone: an O_DIRECT open is to get a clone, which bluecached gives at the open."""
+    kept = KeptBackings(limit=4, idle=60)
+    kept.prepare(1, {"kind": "buffered"}, None, 1, kept.stamp())
+    assert kept.take_prepared(1, os.O_RDONLY | os.O_DIRECT, 1) is None
+    kept.prepare(1, {"kind": "buffered"}, None, 1, kept.stamp())
+    assert kept.take_prepared(1, os.O_RDONLY, 1) is not None
+
+
+@pytest.mark.parametrize("what", [{"kind": "clone"}, {}, {"kind": 3}])
+def test_an_unknown_kind_prepares_nothing(what):
+    kept = KeptBackings(limit=4, idle=60)
+    kept.prepare(1, what, None, 1, kept.stamp())
+    assert kept.take_prepared(1, os.O_RDONLY, 1) is None
+
+
+def test_a_prepared_open_goes_with_a_change_a_restart_or_time():
+    clock = Clock()
+    kept = KeptBackings(limit=4, idle=60, clock=clock)
+    stamp = kept.stamp()                 # a lookup is sent ...
+    kept.changing(1)                     # ... a writer opens the file before its reply
+    kept.prepare(1, {"kind": "plain"}, None, 1, stamp)
+    assert kept.take_prepared(1, os.O_RDONLY, 1) is None
+    kept.prepare(1, {"kind": "plain"}, None, 1, kept.stamp())
+    kept.changing(1)                     # a writer after the lookup
+    assert kept.take_prepared(1, os.O_RDONLY, 1) is None
+    kept.prepare(1, {"kind": "plain"}, None, 1, kept.stamp())
+    assert kept.take_prepared(1, os.O_RDONLY, generation=2) is None   # bluecached restarted
+    kept.prepare(1, {"kind": "plain"}, None, 1, kept.stamp())
+    clock.now += PREPARED_HOLD_S + 0.1   # an exists check's lookup, no open after it
+    assert kept.take_prepared(1, os.O_RDONLY, 1) is None
+    kept.prepare(2, {"kind": "plain"}, None, 1, kept.stamp())
+    kept.clear()
+    assert kept.take_prepared(2, os.O_RDONLY, 1) is None
+    assert kept.answered_prepared == 0
+
+
+def test_prepared_opens_are_bounded_and_expire():
+    clock = Clock()
+    kept = KeptBackings(limit=4, idle=60, clock=clock)
+    for ino in range(PREPARED_LIMIT + 3):
+        kept.prepare(ino, {"kind": "plain"}, None, 1, kept.stamp())
+    assert len(kept._prepared) == PREPARED_LIMIT
+    assert kept.take_prepared(0, os.O_RDONLY, 1) is None   # the oldest went first
+    clock.now += PREPARED_HOLD_S + 0.1
+    kept.expire()
+    assert not kept._prepared
+
+
+def test_kept_opens_off_prepares_nothing():
+    kept = KeptBackings(limit=0, idle=60)
+    kept.prepare(1, {"kind": "plain"}, None, 1, kept.stamp())
+    assert kept.take_prepared(1, os.O_RDONLY, 1) is None
