@@ -120,8 +120,10 @@ HOSTD = Schema("HostdConfig", (
                             "last passthrough reader closed, so that the next read-only open "
                             "of one is answered by hostd alone, bluecached told right after "
                             "(docs/architecture.md, What a hit costs). bluecached says when "
-                            "one leaves DRAM; hostd lets it go then. 0: every open asks "
-                            "bluecached first."),
+                            "one leaves DRAM; hostd lets it go then. The read-only open "
+                            "of a file only on NVMe that its lookup said lends nothing is "
+                            "answered by hostd alone too. 0: every open asks bluecached "
+                            "first."),
         "kept_idle": Field(as_duration(), "60s",
                            "A kept file unopened this long is let go (kept_opens)."),
         "max_pages": Field(as_count(minimum=0, maximum=65535), 1024,

@@ -1,4 +1,5 @@
-"""Read-only opens of files in DRAM, answered by hostd alone.
+"""Read-only opens answered by hostd alone: of files in DRAM (a kept memfd), and of files only
+on NVMe read through bluecached (prepared at the lookup: see the end).
 
 A hit's OPEN through both daemons cost 0.4-0.75 ms on the 2-core VM, against 0.02 ms on tmpfs,
 and capped one vLLM reader at ~0.8x tmpfs (docs/benchmarks/hit-notes.md): it waits on two
