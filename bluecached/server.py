@@ -284,12 +284,8 @@ class ControlServer:
         handle = await self.store.open(ino, flags, session.id)
         self.store.observe(handle.node)
         result = {"fh": handle.fh, "attr": handle.node.attrs()}
-        if kept is not None:
-            try:
-                result["kept"] = session.local and self.store.keep(handle.fh, kept)
-            except FsError:
-                self.store.release(handle.fh)   # a malformed `kept`: no handle left behind
-                raise
+        if kept is not None:   # (its shape checked with the message: no handle for a bad one)
+            result["kept"] = session.local and self.store.keep(handle.fh, kept)
         return await self._with_backing(session, handle, result) if backing else result
 
     async def _with_backing(self, session, handle, result: dict) -> dict | WithFd:

@@ -65,8 +65,9 @@ MAX_BATCH = 64   # staged writes per write_batch message
 RELEASE_DELAY_S = 0.005
 # The calls whose answers no reader's release changes: those may overtake a waiting release.
 # (statfs may not: an unlinked file's space comes back with its last release.)
+# (release: the forwarder's own, sent in order.)
 _OVERTAKES_RELEASES = {"lookup", "getattr", "read", "readdir", "readlink", "getxattr",
-                       "listxattr", "ping", "backing"}   # and read-only opens (_overtakes)
+                       "listxattr", "ping", "backing", "release"}   # and read-only opens
 # The deadline of the DaemonLink.call running in this task (calls made inside it share it).
 _CALL_DEADLINE: contextvars.ContextVar[float | None] = contextvars.ContextVar(
     "bluecache_call_deadline", default=None)
@@ -89,7 +90,7 @@ def _overtakes(op: str, args: dict) -> bool:
     while nobody else has the file open."""
     if op == "open":
         return not _writable(args.get("flags", 0)) and not args.get("flags", 0) & os.O_TRUNC
-    return op in _OVERTAKES_RELEASES or op == "release"
+    return op in _OVERTAKES_RELEASES
 
 
 def _write_kills(fh: int, offset: int) -> bool:
@@ -579,18 +580,16 @@ class DaemonLink:
     # -- the fusefs Cache interface --------------------------------------------------------
 
     async def lookup(self, parent, name) -> Attr:
-        if not self._answers_opens(self.daemon_prepares):
-            attr = Attr.from_wire(await self.call("lookup", parent=parent, name=name))
-        else:   # the open that follows may be answered here (hostd/kept_backings.py)
-            stamp = self.kept.stamp()
-            r = await self.call("lookup", parent=parent, name=name, prepare=True)
-            attr = Attr.from_wire(r)
-            if "prepared" in r:
-                self.kept.prepare(attr.ino, r["prepared"], attr, self.generation, stamp)
+        # With `prepare`, the open that follows may be answered here (hostd/kept_backings.py).
+        prepare = self._answers_opens(self.daemon_prepares)
+        stamp = self.kept.stamp() if prepare else 0
+        extra = {"prepare": True} if prepare else {}   # (a daemon without it refuses it)
+        r = await self.call("lookup", parent=parent, name=name, **extra)
+        attr = Attr.from_wire(r)
         if self.inflight.pending(attr.ino):   # its size may not count writes answered early
-            if self.kept is not None:
-                self.kept.changing(attr.ino)
             return await self.getattr(attr.ino)
+        if "prepared" in r:
+            self.kept.prepare(attr.ino, r["prepared"], attr, self.generation, stamp)
         return attr
 
     def _answers_opens(self, daemon_can: bool) -> bool:

@@ -33,6 +33,7 @@ STR = "str"
 BOOL = "bool"
 U32_LIST = "u32[]"
 U64_LIST = "u64[]"
+U64_PAIR = "u64[2]"
 
 _PARENT_NAME = {"parent": U64, "name": BYTES}
 _TRANSFER = {"fh": U64, "offset": U64, "length": U64, "region": U64, "region_offset": U64}
@@ -56,7 +57,7 @@ OPS: dict[str, tuple[dict, dict]] = {
     "readlink": ({"ino": U64}, {}),
     "link": ({"ino": U64, "new_parent": U64, "new_name": BYTES}, {}),
     # backing: also the memfd, as the `backing` op gives it (the reply then carries an fd)
-    "open": ({"ino": U64, "flags": U32}, {"backing": BOOL, "kept": U64_LIST}),
+    "open": ({"ino": U64, "flags": U32}, {"backing": BOOL, "kept": U64_PAIR}),
     "read": (_TRANSFER, {}),
     "write": (_TRANSFER, {"kill_suidgid": BOOL}),
     "write_batch": ({"region": U64, "fhs": U64_LIST, "offsets": U64_LIST, "lengths": U64_LIST,
@@ -131,6 +132,8 @@ def _check(kind: str, value) -> bool:
     if kind == U32_LIST:
         return (type(value) is list and len(value) <= MAX_LIST
                 and all(_check(U32, v) for v in value))
+    if kind == U64_PAIR:
+        return type(value) is list and len(value) == 2 and all(_check(U64, v) for v in value)
     if kind == U64_LIST:
         return (type(value) is list and len(value) <= MAX_FORGET
                 and all(_check(U64, v) for v in value))

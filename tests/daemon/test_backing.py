@@ -133,7 +133,8 @@ def test_a_lookup_prepares_the_open_of_a_file_only_on_nvme(daemon):
     the daemon (hit_path direct, as on this ext4), the reply says that the open after it lends
     nothing, so the client may answer that open itself (hostd/kept_backings.py). Not for a
     file in DRAM, nor without `prepare`, nor over zmq (no client there answers opens)."""
-    d = daemon(allow_log=["lookup: argument 'prepare' must be bool"]).start()
+    d = daemon(allow_log=["lookup: argument 'prepare' must be bool",
+                          "open: argument 'kept' must be u64[2]"]).start()
     files = FileClient(d)
     files.put("/cold", pattern("cold", 2 * MiB))
     files.close()

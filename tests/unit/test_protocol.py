@@ -14,7 +14,8 @@ from bluecached.wire.protocol import ProtocolError, decode_request, encode_reque
 def test_round_trip_of_every_operation():
     sample = {protocol.U64: 7, protocol.U32: 5, protocol.I64: -3, protocol.BYTES: b"n\xff",
               protocol.STR: "s", protocol.BOOL: True, protocol.U32_LIST: [1],
-              protocol.U64_LIST: [1 << 40], protocol.BLOB: b"d" * 5000,
+              protocol.U64_LIST: [1 << 40], protocol.U64_PAIR: [3, 1 << 40],
+              protocol.BLOB: b"d" * 5000,
               protocol.TARGET: b"t" * 5000, protocol.XATTR_VALUE: b""}
     for op, (required, optional) in protocol.OPS.items():
         args = {k: sample[t] for k, t in {**required, **optional}.items()}
