@@ -222,15 +222,15 @@ class ControlServer:
         return {}
 
     async def op_lookup(self, session, parent, name, prepare=False) -> dict:
-        """With `prepare` (a client on this host), the reply may also carry `prepared`: a
-        read-only open right after would be given nothing to lend (Store.prepared_open), so
-        the client may answer that open itself and send it here after. An NVMe hit read
-        through the daemon then waits on this daemon once before its reads, not twice."""
-        local = session.local   # lent fds reach local clients only
-        node = await self.store.find(parent, name, session.id if local else None)
+        """A client on this host gets the open that may follow readied (Store.ready_open).
+        With `prepare`, its reply may also carry `prepared`: a read-only open right after
+        would be given nothing to lend, so the client may answer that open itself and send it
+        here after. An NVMe hit read through the daemon then waits on this daemon once before
+        its reads, not twice."""
+        node = await self.store.find(parent, name)
         reply = self._known(session, node)
-        if prepare and local:
-            prepared = self.store.prepared_open(node, session.id)
+        if session.local:   # lent fds reach local clients only
+            prepared = self.store.ready_open(node, session.id, prepare)
             if prepared is not None:
                 reply["prepared"] = prepared
         return reply

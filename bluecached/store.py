@@ -79,8 +79,8 @@ class Store:
         self._next_fh = 1
         self.tmp_inos: set[int] = set()
         self.kernel_writers: dict[int, Inode] = {}   # written by a client's kernel (observe)
-        # session: whether its last read-only open was O_DIRECT (vLLM's reader), for the
-        # clones started at its lookups (_clone_ahead)
+        # session: whether its last read-only open was O_DIRECT (vLLM's reader), for what its
+        # lookups ready (ready_open)
         self._unbuffered_readers: dict[int, bool] = {}
         self._kernel_writers_changed = trio.Event()
         self.logical_bytes = 0
@@ -261,15 +261,11 @@ class Store:
     def lookup(self, parent: int, name: bytes) -> Inode:
         return self.ns.lookup(parent, name)
 
-    async def find(self, parent: int, name: bytes, reader: int | None = None) -> Inode:
-        """A client's lookup: the namespace, then the remote tier (a miss stays ENOENT).
-        `reader`: the session of a client on this host, whose open of the file may take a
-        clone started now (_clone_ahead)."""
+    async def find(self, parent: int, name: bytes) -> Inode:
+        """A client's lookup: the namespace, then the remote tier (a miss stays ENOENT)."""
         try:
             node = self.ns.lookup(parent, name)
             self.observe(node)
-            if reader is not None and self._unbuffered_readers.get(reader):
-                self._clone_ahead(node)
             return node
         except FsError as e:
             if e.errno != errno.ENOENT or self.remote is None:
@@ -827,14 +823,6 @@ class Store:
         return (obj.chunks is None and obj.remote_info is None and obj.arrival is None
                 and not obj.writers and node.ino not in self.tmp_inos)
 
-    def _clone_ahead(self, node: Inode) -> None:
-        """A lookup of a file an O_DIRECT open would read from a clone (backing_loaded):
-        the clone is started now, for that open to take (tiers/clone_ahead.py)."""
-        obj = node.obj
-        if (obj is not None and self.tiers.promotions.mode == "clone" and obj.extent is not None
-                and node.size and not node.size % PAGE_SIZE and self._only_on_nvme(node)):
-            self.tiers.promotions.clone_ahead(node)
-
     async def _clone_from_nvme(self, handle: Handle) -> int | None:
         """A read-only fd of a clone of the object's NVMe extent (tiers/nvme_clone.py), counted
         as a hit on NVMe; None where there is none to give: a size not of whole pages (the
@@ -868,24 +856,33 @@ class Store:
         self._read_unseen(node)
         return fd
 
-    # -- opens prepared at the lookup (hostd/kept_backings.py) ---------------------------
+    # -- opens readied at the lookup (hostd/kept_backings.py, tiers/clone_ahead.py) ---------
 
-    def prepared_open(self, node: Inode, session: int) -> dict | None:
-        """What a read-only open of `node` right after this lookup would be given, where a
-        client on this host can answer that open itself and send it here after:
-        - {"kind": "plain"}: an object only on NVMe with hit_path direct: the reads of any
-          open go through the daemon, there is nothing to lend;
-        - {"kind": "buffered"}: the same for a buffered open only, with hit_path clone, for a
-          session whose last read-only open was buffered (an O_DIRECT open would clone);
-        - None: anything else (a memfd or a clone to lend, a promotion or a fetch to start,
-          a session not yet seen reading): the client asks at the open, as without this."""
+    def ready_open(self, node: Inode, session: int, prepare: bool) -> dict | None:
+        """A lookup by a client on this host, of a file only on NVMe: readies what a read-only
+        open right after it would need, as this session's last read-only open went.
+        - hit_path clone, an O_DIRECT session: the clone that open would wait for is started
+          now, for the open to take (tiers/clone_ahead.py).
+        With `prepare`, returns what such an open would be given where the client can answer
+        that open itself and send it here after:
+        - {"kind": "plain"}: hit_path direct: the reads of any open go through the daemon,
+          there is nothing to lend;
+        - {"kind": "buffered"}: hit_path clone, a session whose last read-only open was
+          buffered (an O_DIRECT open would clone);
+        - None: anything else (a memfd or a clone to lend, a promotion or a fetch to start, a
+          session not yet seen reading): the client asks at the open, as without this."""
         if (not stat.S_ISREG(node.mode) or node.obj is None or node.parent is None
                 or not self._only_on_nvme(node)):
             return None
         mode = self.tiers.promotions.mode
         if mode == "direct":
-            return {"kind": "plain"}
-        if mode == "clone" and self._unbuffered_readers.get(session) is False:
+            return {"kind": "plain"} if prepare else None
+        if mode != "clone":
+            return None
+        unbuffered = self._unbuffered_readers.get(session)
+        if unbuffered and node.obj.extent is not None and node.size and not node.size % PAGE_SIZE:
+            self.tiers.promotions.clone_ahead(node)   # what _clone_from_nvme would clone
+        if unbuffered is False and prepare:
             return {"kind": "buffered"}
         return None
 

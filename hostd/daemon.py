@@ -184,7 +184,7 @@ async def run(cfg, path: Path | None, notifier, assignments: list[str] | None = 
             nursery.start_soon(link.watch)
             nursery.start_soon(link.forward_releases)
             await nursery.start(link.send_writes)
-            await nursery.start(link.confirm_kept_opens)
+            await nursery.start(link.confirm_opens_answered_here)
             if features is not None and features.passthrough is not None:
                 nursery.start_soon(features.passthrough.sweep_every, 0.5)
             nursery.start_soon(_follow_events, events, keys, ops, link)

@@ -669,7 +669,7 @@ class DaemonLink:
 
     def _answer_kept(self, ino: int, flags: int) -> tuple[int, Attr] | None:
         """A read-only open answered from the memfd kept for `ino`, bluecached told after
-        (confirm_kept_opens); None if none is kept."""
+        (confirm_opens_answered_here); None if none is kept."""
         if not self.daemon_keeps:
             return None
         got = self.kept.take(ino, self.generation)
@@ -697,16 +697,16 @@ class DaemonLink:
         self._confirms_send.send_nowait((self._files[fh], confirm))
         return fh, attr
 
-    async def confirm_kept_opens(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+    async def confirm_opens_answered_here(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         """Sends bluecached each open answered here, once its kernel had the answer:
         bluecached counts it as any open and, for a kept memfd, says whether it is still the
         file's."""
         async with trio.open_nursery() as nursery:
             task_status.started()
             async for f, confirm in self._confirms:
-                nursery.start_soon(self._confirm_kept, f, confirm)
+                nursery.start_soon(self._confirm_answered, f, confirm)
 
-    async def _confirm_kept(self, f: OpenFile, confirm: dict) -> None:
+    async def _confirm_answered(self, f: OpenFile, confirm: dict) -> None:
         try:
             r = await self.call("open", ino=f.ino, flags=f.flags, **confirm)
         except RemoteError as e:
