@@ -26,7 +26,7 @@ log = logging.getLogger("bluecached.server")
 
 
 class Session:
-    __slots__ = ("id", "client", "known", "last_seen", "local")
+    __slots__ = ("id", "client", "known", "last_seen", "local", "ended")
 
     def __init__(self, sid: int, client: str, local: bool = False):
         self.id = sid
@@ -34,6 +34,7 @@ class Session:
         self.local = local   # on the unix socket: replies may carry file descriptors
         self.last_seen = trio.current_time()
         self.known: dict[int, int] = {}   # inode -> entries sent and not yet forgotten
+        self.ended = False   # replaced, silent or disconnected: what it holds was let go
 
 
 class WithFd:
@@ -154,7 +155,10 @@ class ControlServer:
             elif session is None:
                 raise FsError(errno.EPROTO, "say hello first (version handshake)")
             else:
-                result = await getattr(self, "op_" + request.op)(session, **request.args)
+                try:
+                    result = await getattr(self, "op_" + request.op)(session, **request.args)
+                finally:
+                    self._after_end(session, request.op)
         except (FsError, DmaError, protocol.ProtocolError) as e:
             self._reply(identity, protocol.encode_error(request.id, e.errno, str(e)))
         except Exception:
@@ -166,6 +170,19 @@ class ControlServer:
                             result.fd)
             else:
                 self._reply(identity, protocol.encode_reply(request.id, result))
+
+    def _after_end(self, session: Session, op: str) -> None:
+        """A request that was still being served when its session ended (a reconnect's
+        `replaces` while bluecached was stalled, a silent client) may have opened a handle,
+        registered a region or given an entry after the session's holdings were let go.
+        Nobody would release those, and an open handle keeps its object from eviction (a
+        writer's, from being written behind): they are let go now too. The reply still goes
+        out; a client that reconnected no longer listens for it."""
+        if session.ended:
+            released = self._end_session(session)
+            if released:
+                log.info("session %d had ended while its %s was served: %d handles released",
+                         session.id, op, released)
 
     # -- operations ------------------------------------------------------------------------
 
@@ -182,6 +199,7 @@ class ControlServer:
         return node.attrs()
 
     def _end_session(self, session: Session) -> int:
+        session.ended = True
         self.regions.remove_owner(session)
         released = self.store.release_session(session.id)
         for ino in session.known:
