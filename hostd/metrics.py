@@ -242,8 +242,8 @@ class HostdCollector:
                     ("opens_kept_refused", "counter", kept.refused,
                      "Kept files bluecached said were no longer the file's bytes"),
                     ("opens_answered_prepared", "counter", kept.answered_prepared,
-                     "Read-only opens answered by hostd alone with what their lookup "
-                     "prepared (a clone of an NVMe extent, or nothing to lend)")):
+                     "Read-only opens answered by hostd alone because their lookup said "
+                     "they lend nothing (files only on NVMe, read through bluecached)")):
                 metric = family(f"bluecache_hostd_{name}", kind, text)
                 metric.add_metric([], value)
                 yield metric
