@@ -279,6 +279,8 @@ class OpenFile:
     # daemon_fh is None until then
     confirmed: trio.Event | None = None
     late: bool = False   # no kernel's: a handle an open made after its caller gave up
+    # a late one's daemon (incarnation): which of its sessions holds the handle is not known
+    incarnation: str | None = None
 
 
 class DaemonLink:
@@ -454,7 +456,8 @@ class DaemonLink:
             self._late_opens.discard(rid)
             result = reply.get("result") if reply is not None and reply.get("ok") else None
             if isinstance(result, dict) and isinstance(result.get("fh"), int):
-                self._queue_release(OpenFile(0, 0, result["fh"], self.generation, late=True))
+                self._queue_release(OpenFile(0, 0, result["fh"], self.generation, late=True,
+                                             incarnation=self.incarnation))
 
     def _release_slots(self, rid: int) -> None:
         slots = self._held_for.pop(rid, None)
@@ -1041,8 +1044,15 @@ class DaemonLink:
     async def _forward_release(self, f: OpenFile) -> None:
         if f.confirmed is not None:
             await f.confirmed.wait()
-        if f.generation != self.generation:
-            return  # the daemon restarted: that handle is gone already
+        if f.late:
+            # The reply may have been read before the reconnect's hello reply was handled,
+            # yet come from the new session (the daemon served the hello first): released
+            # whatever the generation, unless the daemon is another one (its fh numbers
+            # start again). A handle the old session held is gone with it: EBADF, below.
+            if f.incarnation != self.incarnation:
+                return
+        elif f.generation != self.generation:
+            return  # the daemon restarted or the session was replaced: the handle is gone
         try:
             await self.call("release", fh=f.daemon_fh)
         except CallInterrupted:

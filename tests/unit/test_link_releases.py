@@ -82,3 +82,60 @@ def test_a_writers_release_is_sent_at_once():
         await link.call("lookup", parent=1, name=b"next")
 
     assert [op for op, _ in run(scenario)] == ["release", "lookup"]
+
+
+class LateOpenClient(RecordingClient):
+    """The reply to an open abandoned before a reconnect is read together with the reconnect's
+    hello reply, before hostd's reconnect takes up the hello (as the daemon's socket loop
+    hands them over): it names handle 42, in whichever session the daemon served it."""
+
+    def __init__(self, incarnations):
+        super().__init__()
+        self.incarnations = iter(incarnations)
+        self.link = None
+        self.released = []
+
+    async def handshake(self, timeout=None, replaces=None):
+        incarnation = next(self.incarnations)
+        if replaces is not None:
+            self.link._answered_late(7, {"ok": True, "result": {"fh": 42}})
+        return {"engine": "loopback", "incarnation": incarnation, "session": 1,
+                "server": "test"}
+
+    async def call(self, op, timeout=None, **args):
+        if op == "release":
+            self.released.append(args["fh"])
+        return await super().call(op, timeout, **args)
+
+
+def _reconnect_with_a_late_open(client) -> None:
+    link = client.link = DaemonLink(client, None, slots=2, request_timeout=5)
+
+    async def main():
+        await link.connect()
+        async with trio.open_nursery() as nursery:
+            await nursery.start(link.forward_releases)
+            link._hold_slots(7, "open", {"ino": 5, "flags": os.O_RDONLY})   # abandoned
+            await link._establish()   # the reconnect, naming the session it replaces
+            await trio.sleep(1)
+            nursery.cancel_scope.cancel()
+
+    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0),
+             strict_exception_groups=True)
+
+
+def test_an_open_answered_late_around_a_reconnect_is_released():
+    # Seen in the clean-clone CI (test_kept_opens, doca engine): bluecached, stopped, served
+    # the reconnect's hello first and then the abandoned open, in the new session; hostd had
+    # tagged that open's release with the old session and skipped it, so the handle stayed
+    # open for good.
+    client = LateOpenClient(["x", "x"])
+    _reconnect_with_a_late_open(client)
+    assert client.released == [42]
+
+
+def test_a_late_open_of_a_daemon_since_restarted_is_not_released_at_the_new_one():
+    # the new daemon's handle 42 is somebody else's
+    client = LateOpenClient(["x", "y"])
+    _reconnect_with_a_late_open(client)
+    assert client.released == []
