@@ -12,8 +12,19 @@ from bluecached.tiers.clone_ahead import ClonesAhead
 EXTENT, OTHER = object(), object()
 
 
-def open_fds() -> int:
-    return len(os.listdir("/proc/self/fd"))
+CLONE_NAME = "bc-test-clone"
+
+
+def open_clones() -> int:
+    """This process's fds of clones the Cloner made (counted by name: other tests' threads
+    may open and close fds of their own meanwhile)."""
+    count = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            count += CLONE_NAME in os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:   # closed meanwhile (the listing's own fd, say)
+            pass
+    return count
 
 
 class Cloner:
@@ -30,7 +41,7 @@ class Cloner:
             self.gate.wait(10)
         if self.fail:
             raise OSError(95, "no reflinks here")
-        return os.open("/dev/null", os.O_RDONLY)
+        return os.memfd_create(CLONE_NAME)
 
 
 def run(body, cloner, real_clock=False, **kwargs):
@@ -48,11 +59,11 @@ def run(body, cloner, real_clock=False, **kwargs):
             nursery.cancel_scope.cancel()
         return result
 
-    before = open_fds()
+    before = open_clones()
     clock = None if real_clock else trio.testing.MockClock(autojump_threshold=0)
     result = trio.run(main, clock=clock, strict_exception_groups=True)
     assert not pins, "an object left pinned"
-    assert open_fds() == before, "a clone left open"
+    assert open_clones() == before, "a clone left open"
     return result
 
 
