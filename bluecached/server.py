@@ -155,6 +155,8 @@ class ControlServer:
             elif session is None:
                 raise FsError(errno.EPROTO, "say hello first (version handshake)")
             else:
+                if "fh" in request.args:
+                    self._owned(session, request.args["fh"])
                 try:
                     result = await getattr(self, "op_" + request.op)(session, **request.args)
                 finally:
@@ -183,6 +185,14 @@ class ControlServer:
             if released:
                 log.info("session %d had ended while its %s was served: %d handles released",
                          session.id, op, released)
+
+    def _owned(self, session: Session, fh) -> None:
+        """A handle is used only by the session that opened it: a client's stale number (one
+        its last daemon gave, before a restart numbered handles from 1 again) must fail, not
+        read, write or close another client's file. One the store does not know fails there."""
+        handle = self.store.handles.get(fh) if isinstance(fh, int) else None
+        if handle is not None and handle.session != session.id:
+            raise FsError(errno.EBADF, f"handle {fh} was not opened by this session")
 
     # -- operations ------------------------------------------------------------------------
 
@@ -365,6 +375,7 @@ class ControlServer:
         for i, piece in enumerate(zip(fhs, offsets, lengths, region_offsets, strict=True)):
             fh, offset, length, region_offset = piece
             try:
+                self._owned(session, fh)
                 if i in kills:
                     await self._kill_suidgid(fh)
                 total += (await self._transfer(self.store.write, fh, offset, length, region,

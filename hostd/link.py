@@ -113,6 +113,11 @@ class CallInterrupted(RemoteError):
     may or may not have been done. EIO, as the kernel's caller must be told so."""
 
 
+class NotSent(RemoteError):
+    """A call's `only_while` no longer held when it could be sent (the daemon it was meant
+    for restarted while it waited): not sent at all."""
+
+
 class _Pool:
     """Numbered buffers to take and give back; taking waits at most `wait_limit`."""
 
@@ -494,11 +499,14 @@ class DaemonLink:
                 await trio.sleep(0.2)
 
     async def call(self, op: str, host_fh: int | None = None, host_fhs: list | None = None,
-                   with_fd: bool = False, **args):
+                   with_fd: bool = False, only_while=None, **args):
         """A request, waiting out a daemon restart for those safe to repeat. With `host_fh`
         (`host_fhs`), the daemon's handle (`fhs`) is looked up at each attempt (a restart
-        re-opens it). It fails within `request_timeout`: a call made inside another (the
-        re-open of a handle) shares the outer one's deadline."""
+        re-opens it). With `only_while` (a callable), each attempt is sent only if it still
+        returns true (else NotSent): a call that names a daemon handle itself must not reach
+        a daemon that restarted meanwhile, whose numbers are other handles. It fails within
+        `request_timeout`: a call made inside another (the re-open of a handle) shares the
+        outer one's deadline."""
         deadline = trio.current_time() + self.request_timeout
         outer = _CALL_DEADLINE.get()
         if outer is not None and outer < deadline:
@@ -508,13 +516,17 @@ class DaemonLink:
                 await self._releases_sent(self._releases_queued)
         token = _CALL_DEADLINE.set(deadline)
         try:
-            return await self._call_by(deadline, op, host_fh, host_fhs, with_fd, **args)
+            return await self._call_by(deadline, op, host_fh, host_fhs, with_fd, only_while,
+                                       **args)
         finally:
             _CALL_DEADLINE.reset(token)
 
     async def _call_by(self, deadline: float, op: str, host_fh: int | None,
-                       host_fhs: list | None, with_fd: bool, **args):
+                       host_fhs: list | None, with_fd: bool, only_while, **args):
         while True:
+            if only_while is not None and not only_while():
+                raise NotSent(errno.EBADF, f"{op}: not sent, what it names went with the "
+                                           "bluecached it was meant for")
             remaining = deadline - trio.current_time()
             if remaining <= 0:
                 raise RemoteError(errno.ETIMEDOUT, f"{op}: bluecached unavailable for "
@@ -522,8 +534,7 @@ class DaemonLink:
             if not self._connected.is_set():
                 with trio.move_on_after(remaining):
                     await self._connected.wait()
-                if not self._connected.is_set():
-                    continue
+                continue
             try:
                 if host_fh is not None:
                     args["fh"] = await self.daemon_fh(host_fh)
@@ -1041,20 +1052,26 @@ class DaemonLink:
         while self._releases_forwarded < count:
             await self._release_forwarded.wait()
 
-    async def _forward_release(self, f: OpenFile) -> None:
-        if f.confirmed is not None:
-            await f.confirmed.wait()
+    def _handle_still_there(self, f: OpenFile) -> bool:
         if f.late:
             # The reply may have been read before the reconnect's hello reply was handled,
             # yet come from the new session (the daemon served the hello first): released
             # whatever the generation, unless the daemon is another one (its fh numbers
             # start again). A handle the old session held is gone with it: EBADF, below.
-            if f.incarnation != self.incarnation:
-                return
-        elif f.generation != self.generation:
-            return  # the daemon restarted or the session was replaced: the handle is gone
+            return f.incarnation == self.incarnation
+        # else the daemon restarted or the session was replaced: the handle is gone
+        return f.generation == self.generation
+
+    async def _forward_release(self, f: OpenFile) -> None:
+        if f.confirmed is not None:
+            await f.confirmed.wait()
         try:
-            await self.call("release", fh=f.daemon_fh)
+            # checked again when it is sent: a release that waited out a reconnect would
+            # otherwise close whichever handle a restarted daemon now numbers so
+            await self.call("release", fh=f.daemon_fh,
+                            only_while=lambda: self._handle_still_there(f))
+        except NotSent:
+            return
         except CallInterrupted:
             # Done or not, the handle goes with its session: bluecached releases a
             # session's handles when it ends (disconnected, replaced by the reconnect

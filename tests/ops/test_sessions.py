@@ -1,6 +1,7 @@
 """Sessions at the control server, without sockets: what a session holds is let go when it
 ends, also what a request still being served at that moment gives it afterwards."""
 
+import errno
 import os
 
 import trio
@@ -66,6 +67,41 @@ def test_an_open_served_while_its_session_is_replaced_leaves_no_handle(harness):
         (fh,) = h.store.handles
         await server._serve(NEW, _request(6, "release", fh=fh))
         assert h.store.handles == {}
+
+    h.serve(main)
+    h.check_consistency()
+
+
+def test_a_handle_is_used_only_by_the_session_that_opened_it(harness):
+    # A client's stale handle number (from a daemon since restarted, which numbers handles
+    # from 1 again) must fail at the daemon, not close, read or write another client's file.
+    h = harness(dram=32 * MiB)
+    server = ControlServer(h.store, h.regions, status=dict, stats=dict, verifier=None)
+    replies = {}
+
+    def record(identity, payload, fd=None):
+        reply = protocol.decode_reply(payload)
+        replies[reply["id"]] = reply
+
+    server._reply = record
+
+    async def main():
+        await h.put("/f", pattern("f", 2 * MiB))
+        ino = h.store.ns.resolve("/f").ino
+        await server._serve(OLD, _hello(1))
+        await server._serve(NEW, _hello(2))
+        await server._serve(OLD, _request(3, "open", ino=ino, flags=os.O_RDWR))
+        (fh,) = h.store.handles
+        await server._serve(NEW, _request(4, "release", fh=fh))
+        await server._serve(NEW, _request(5, "flush", fh=fh))
+        await server._serve(NEW, _request(6, "write_batch", region=0, fhs=[fh], offsets=[0],
+                                          lengths=[1], region_offsets=[0]))
+        for rid in (4, 5):
+            assert not replies[rid]["ok"] and replies[rid]["errno"] == errno.EBADF, replies[rid]
+        assert replies[6]["ok"] and replies[6]["result"]["failed"][0][1] == errno.EBADF
+        assert list(h.store.handles) == [fh]
+        await server._serve(OLD, _request(7, "release", fh=fh))
+        assert replies[7]["ok"] and h.store.handles == {}
 
     h.serve(main)
     h.check_consistency()

@@ -139,3 +139,43 @@ def test_a_late_open_of_a_daemon_since_restarted_is_not_released_at_the_new_one(
     client = LateOpenClient(["x", "y"])
     _reconnect_with_a_late_open(client)
     assert client.released == []
+
+
+class RestartingClient(RecordingClient):
+    """Each handshake meets a daemon of the given incarnation."""
+
+    def __init__(self, incarnations):
+        super().__init__()
+        self.incarnations = iter(incarnations)
+
+    async def handshake(self, timeout=None, replaces=None):
+        return {"engine": "loopback", "incarnation": next(self.incarnations), "session": 1,
+                "server": "test"}
+
+    def fail_pending(self, errno_, why):
+        pass   # none is pending
+
+
+@pytest.mark.parametrize("incarnations", [["x", "y"], ["x", "x"]],
+                         ids=["daemon-restarted", "session-replaced"])
+@pytest.mark.parametrize("flags", [os.O_RDONLY, os.O_WRONLY], ids=["reader", "writer"])
+def test_a_release_waiting_out_a_reconnect_is_not_sent_after_it(incarnations, flags):
+    # Its handle went with the daemon (or the session): a restarted daemon numbers other
+    # handles from 1 again, and this release would close one of them.
+    client = RestartingClient(incarnations)
+    link = DaemonLink(client, None, slots=2, request_timeout=5)
+
+    async def main():
+        await link.connect()
+        async with trio.open_nursery() as nursery:
+            await nursery.start(link.forward_releases)
+            link._mark_lost("stopped")
+            await close(link, flags)
+            await trio.sleep(1)   # the release waits for the daemon
+            await link._establish()
+            await link.call("lookup", parent=1, name=b"next")   # after the releases
+            nursery.cancel_scope.cancel()
+
+    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0),
+             strict_exception_groups=True)
+    assert [op for op, _ in client.calls] == ["lookup"]
