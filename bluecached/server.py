@@ -67,7 +67,6 @@ class ControlServer:
         self._bad_message_log = LogLimiter(BAD_MESSAGE_LOG_S)
         self.requests = 0
         self.bad_messages = 0
-        self._dir_changes = 0   # orders the directory attributes replies carry
         self._peers: dict[bytes, object] = {}   # local SEQPACKET clients by identity
         self._pump: SocketPump | None = None
         self._nursery: trio.Nursery | None = None
@@ -245,7 +244,7 @@ class ControlServer:
                 # optional arguments this daemon knows, for clients newer than the protocol
                 # version they share with it
                 "features": ["kill_suidgid", "backing", "open_backing", "xattrs",
-                             "writer_backing", "open_kept", "open_prepared", "dir_attrs"]}
+                             "writer_backing", "open_kept", "open_prepared"]}
 
     async def op_ping(self, session) -> dict:
         return {}
@@ -282,30 +281,17 @@ class ControlServer:
     async def op_setattr(self, session, ino, **changes) -> dict:
         return (await self.store.setattr(ino, **changes)).attrs()
 
-    def _dir_attrs(self, *inos: int) -> dict:
-        """The attributes of the directories a change of entries just changed, for the reply:
-        the client's kernel drops what it knew of them after such a change and asks again on
-        its next path walk through them (its permission check needs the mode). `seq` orders
-        them: a client handling two replies out of order keeps the later."""
-        self._dir_changes += 1
-        return {"seq": self._dir_changes,
-                "dirs": [self.store.getattr(ino).attrs() for ino in dict.fromkeys(inos)]}
-
     async def op_mkdir(self, session, parent, name, mode, uid, gid) -> dict:
-        return {**self._known(session, self.store.mkdir(parent, name, mode, uid, gid)),
-                "dir_attrs": self._dir_attrs(parent)}
+        return self._known(session, self.store.mkdir(parent, name, mode, uid, gid))
 
     async def op_symlink(self, session, parent, name, target, uid, gid) -> dict:
-        return {**self._known(session, self.store.symlink(parent, name, target, uid, gid)),
-                "dir_attrs": self._dir_attrs(parent)}
+        return self._known(session, self.store.symlink(parent, name, target, uid, gid))
 
     async def op_mknod(self, session, parent, name, mode, rdev, uid, gid) -> dict:
-        return {**self._known(session, self.store.mknod(parent, name, mode, rdev, uid, gid)),
-                "dir_attrs": self._dir_attrs(parent)}
+        return self._known(session, self.store.mknod(parent, name, mode, rdev, uid, gid))
 
     async def op_link(self, session, ino, new_parent, new_name) -> dict:
-        return {**self._known(session, await self.store.link(ino, new_parent, new_name)),
-                "dir_attrs": self._dir_attrs(new_parent)}
+        return self._known(session, await self.store.link(ino, new_parent, new_name))
 
     async def op_readlink(self, session, ino) -> dict:
         return {"target": self.store.readlink(ino)}
@@ -315,8 +301,7 @@ class ControlServer:
         """With `backing`, the new file's memfd comes too (as op_backing), for a writer's
         kernel to write it directly: a store then costs no request per write."""
         handle = await self.store.create(parent, name, mode, uid, gid, flags, session.id)
-        result = {"fh": handle.fh, "attr": self._known(session, handle.node),
-                  "dir_attrs": self._dir_attrs(parent)}
+        result = {"fh": handle.fh, "attr": self._known(session, handle.node)}
         return await self._with_backing(session, handle, result) if backing else result
 
     async def op_open(self, session, ino, flags, backing=False, kept=None) -> dict | WithFd:
@@ -436,7 +421,7 @@ class ControlServer:
 
     async def op_unlink(self, session, parent, name) -> dict:
         self.store.unlink(parent, name)
-        return {"dir_attrs": self._dir_attrs(parent)}
+        return {}
 
     async def op_discard(self, session, ino) -> dict:
         self.store.discard(ino)
@@ -444,11 +429,11 @@ class ControlServer:
 
     async def op_rmdir(self, session, parent, name) -> dict:
         self.store.rmdir(parent, name)
-        return {"dir_attrs": self._dir_attrs(parent)}
+        return {}
 
     async def op_rename(self, session, parent, name, new_parent, new_name, flags=0) -> dict:
         self.store.rename(parent, name, new_parent, new_name, flags)
-        return {"dir_attrs": self._dir_attrs(parent, new_parent)}
+        return {}
 
     async def op_readdir(self, session, ino, offset, limit=1024) -> dict:
         entries = self.store.readdir(ino, offset, max(1, min(limit, 4096)))

@@ -97,7 +97,6 @@ async def _follow_events(events_endpoint: str, keys, ops: Operations, link: Daem
                 link.kept.drop(fields["ino"])
             log.debug("event: removed %s (%s)", fields.get("name"), fields.get("reason"))
             if fields.get("parent") is not None:
-                link.dir_attrs.drop(fields["parent"])
                 ops.forget_name(fields["parent"], fields["name"], fields["ino"])
         except (protocol.ProtocolError, KeyError, TypeError) as e:
             log.warning("ignored a malformed event: %s", e)

@@ -33,7 +33,6 @@ import trio
 from bluecached.wire.client import AsyncClient, RegionChannel, RemoteError, SharedRegion
 from fusefs.cache import Attr
 
-from .dir_attrs import DirAttrs
 from .doca_export import DocaSetupError, HostExporter
 from .inflight import WritesInFlight
 from .kept_backings import KeptBackings
@@ -346,7 +345,6 @@ class DaemonLink:
         self._release_now = trio.Event()   # a call that must not overtake them came
         self.ack_staged = ack_staged
         self.inflight = WritesInFlight()
-        self.dir_attrs = DirAttrs()
         self.read_ahead = ReadAhead(self.staging, self._read_into, SLOT_SIZE, read_ahead) \
             if read_ahead else None
         self._writes: trio.Nursery | None = None   # background write calls (send_writes)
@@ -404,7 +402,6 @@ class DaemonLink:
             log.info("dropped inode %d, whose write failed while bluecached was away", ino)
         self.incarnation, self.session = hello["incarnation"], hello["session"]
         self.generation += 1
-        self.dir_attrs.clear()   # events of the old connection may be missed
         if self.kept is not None:   # the old daemon's memfds: not this one's objects
             self.kept.clear()
         self._lost = trio.Event()
@@ -617,17 +614,10 @@ class DaemonLink:
         return self.kept is not None and daemon_can and self.wants_backing()
 
     async def getattr(self, ino) -> Attr:
-        attr = self.dir_attrs.answer(ino)   # a directory this mount just changed
-        if attr is not None:
-            return attr
         await self.inflight.settled(ino)
         return Attr.from_wire(await self.call("getattr", ino=ino))
 
     async def setattr(self, ino, **changes) -> Attr:
-        with self.dir_attrs.changing(ino):
-            return await self._setattr(ino, **changes)
-
-    async def _setattr(self, ino, **changes) -> Attr:
         await self.inflight.settled(ino)
         if self.kept is not None:
             self.kept.changing(ino)
@@ -639,29 +629,22 @@ class DaemonLink:
         finally:
             self.read_ahead.changing(ino)
 
-    async def _changing_dirs(self, op: str, **args) -> dict:
-        """A change of directory entries: the reply's directory attributes are kept for the
-        kernel's next GETATTR of them (hostd/dir_attrs.py)."""
-        r = await self.call(op, **args)
-        self.dir_attrs.changed(r)
-        return r
-
     async def mkdir(self, parent, name, mode, uid, gid) -> Attr:
-        return Attr.from_wire(await self._changing_dirs("mkdir", parent=parent, name=name,
-                                                        mode=mode, uid=uid, gid=gid))
+        return Attr.from_wire(await self.call("mkdir", parent=parent, name=name, mode=mode,
+                                              uid=uid, gid=gid))
 
     async def symlink(self, parent, name, target, uid, gid) -> Attr:
-        return Attr.from_wire(await self._changing_dirs("symlink", parent=parent, name=name,
-                                                        target=target, uid=uid, gid=gid))
+        return Attr.from_wire(await self.call("symlink", parent=parent, name=name,
+                                              target=target, uid=uid, gid=gid))
 
     async def mknod(self, parent, name, mode, rdev, uid, gid) -> Attr:
-        return Attr.from_wire(await self._changing_dirs("mknod", parent=parent, name=name,
-                                                        mode=mode, rdev=rdev, uid=uid, gid=gid))
+        return Attr.from_wire(await self.call("mknod", parent=parent, name=name, mode=mode,
+                                              rdev=rdev, uid=uid, gid=gid))
 
     async def link(self, ino, new_parent, new_name) -> Attr:
         await self.inflight.settled(ino)   # the reply carries its size
-        return Attr.from_wire(await self._changing_dirs("link", ino=ino, new_parent=new_parent,
-                                                        new_name=new_name))
+        return Attr.from_wire(await self.call("link", ino=ino, new_parent=new_parent,
+                                              new_name=new_name))
 
     async def readlink(self, ino) -> bytes:
         return (await self.call("readlink", ino=ino))["target"]
@@ -673,7 +656,6 @@ class DaemonLink:
             r, fd = await self.call("create", **args, backing=True, with_fd=True)
         else:
             r = await self.call("create", **args)
-        self.dir_attrs.changed(r)
         attr = Attr.from_wire(r["attr"])
         return self._opened(attr, flags, r, fd), attr
 
@@ -1101,17 +1083,17 @@ class DaemonLink:
             log.warning("release of inode %d not delivered: %s", f.ino, e)
 
     async def unlink(self, parent, name) -> None:
-        await self._changing_dirs("unlink", parent=parent, name=name)
+        await self.call("unlink", parent=parent, name=name)
 
     async def rmdir(self, parent, name) -> None:
-        await self._changing_dirs("rmdir", parent=parent, name=name)
+        await self.call("rmdir", parent=parent, name=name)
 
     async def rename(self, parent, name, new_parent, new_name, flags) -> None:
         # llm-d renames its file while it is still open: the new name must not show it
         # before every write answered earlier has landed (or failed and dropped the file)
         await self.inflight.earlier_done()
-        await self._changing_dirs("rename", parent=parent, name=name, new_parent=new_parent,
-                                  new_name=new_name, flags=flags)
+        await self.call("rename", parent=parent, name=name, new_parent=new_parent,
+                        new_name=new_name, flags=flags)
 
     async def readdir(self, ino, offset, limit):
         await self.inflight.earlier_done()   # entries carry sizes
@@ -1131,8 +1113,7 @@ class DaemonLink:
     async def setxattr(self, ino, name, value, flags=0) -> None:
         self._xattrs_supported()
         args = {"flags": flags} if flags else {}
-        with self.dir_attrs.changing(ino):   # its ctime
-            await self.call("setxattr", ino=ino, name=name, value=bytes(value), **args)
+        await self.call("setxattr", ino=ino, name=name, value=bytes(value), **args)
 
     async def getxattr(self, ino, name) -> bytes:
         self._xattrs_supported()
@@ -1145,8 +1126,7 @@ class DaemonLink:
 
     async def removexattr(self, ino, name) -> None:
         self._xattrs_supported()
-        with self.dir_attrs.changing(ino):
-            await self.call("removexattr", ino=ino, name=name)
+        await self.call("removexattr", ino=ino, name=name)
 
     async def forget(self, counts) -> None:
         for start in range(0, len(counts), 4096):

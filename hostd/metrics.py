@@ -232,13 +232,6 @@ class HostdCollector:
                             "registered again)")
             metric.add_metric([], self.transfers.regions.registrations)
             yield metric
-        dir_attrs = getattr(self.link, "dir_attrs", None)
-        if dir_attrs is not None:
-            metric = family("bluecache_hostd_getattrs_answered_here", "counter",
-                            "GETATTRs of a directory answered by hostd from the reply to this "
-                            "mount's change of it (hostd/dir_attrs.py)")
-            metric.add_metric([], dir_attrs.answered)
-            yield metric
         kept = self.link.kept
         if kept is not None:
             for name, kind, value, text in (
