@@ -535,6 +535,7 @@ class DaemonLink:
                 with trio.move_on_after(remaining):
                     await self._connected.wait()
                 continue
+            attempt = self.generation
             try:
                 if host_fh is not None:
                     args["fh"] = await self.daemon_fh(host_fh)
@@ -554,7 +555,15 @@ class DaemonLink:
                     self._mark_lost("it restarted")
                 elif e.errno == errno.ETIMEDOUT:
                     self._mark_lost(str(e))
-                elif e.errno != errno.ECONNRESET:
+                elif e.errno == errno.ECONNRESET:
+                    # The connection closed under the request (the daemon stopped). Unless a
+                    # reconnect came since, the link must say hello again first, and the
+                    # retry wait for that: sent again at once it meets the same closed
+                    # socket, and a loop that never awaits starves the tasks that would
+                    # notice (the transport's reader, the health task) until the deadline.
+                    if self.generation == attempt:
+                        self._mark_lost(str(e))
+                else:
                     raise
                 if op not in _IDEMPOTENT:
                     raise CallInterrupted(errno.EIO, f"{op} interrupted by a bluecached "
