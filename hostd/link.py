@@ -68,6 +68,10 @@ RELEASE_DELAY_S = 0.005
 # (release: the forwarder's own, sent in order.)
 _OVERTAKES_RELEASES = {"lookup", "getattr", "read", "readdir", "readlink", "getxattr",
                        "listxattr", "ping", "backing", "release"}   # and read-only opens
+# `region=STAGING` in a call: hostd's staging region, under the id the daemon the call reaches
+# knows it by (a restart registers it again under a new one; a call waiting it out must not
+# name the old daemon's id).
+STAGING = object()
 # The deadline of the DaemonLink.call running in this task (calls made inside it share it).
 _CALL_DEADLINE: contextvars.ContextVar[float | None] = contextvars.ContextVar(
     "bluecache_call_deadline", default=None)
@@ -502,11 +506,11 @@ class DaemonLink:
                    with_fd: bool = False, only_while=None, **args):
         """A request, waiting out a daemon restart for those safe to repeat. With `host_fh`
         (`host_fhs`), the daemon's handle (`fhs`) is looked up at each attempt (a restart
-        re-opens it). With `only_while` (a callable), each attempt is sent only if it still
-        returns true (else NotSent): a call that names a daemon handle itself must not reach
-        a daemon that restarted meanwhile, whose numbers are other handles. It fails within
-        `request_timeout`: a call made inside another (the re-open of a handle) shares the
-        outer one's deadline."""
+        re-opens it); so is the staging region's id with `region=STAGING`. With `only_while`
+        (a callable), each attempt is sent only if it still returns true (else NotSent): a
+        call that names a daemon handle itself must not reach a daemon that restarted
+        meanwhile, whose numbers are other handles. It fails within `request_timeout`: a call
+        made inside another (the re-open of a handle) shares the outer one's deadline."""
         deadline = trio.current_time() + self.request_timeout
         outer = _CALL_DEADLINE.get()
         if outer is not None and outer < deadline:
@@ -523,6 +527,7 @@ class DaemonLink:
 
     async def _call_by(self, deadline: float, op: str, host_fh: int | None,
                        host_fhs: list | None, with_fd: bool, only_while, **args):
+        staging = args.get("region") is STAGING
         while True:
             if only_while is not None and not only_while():
                 raise NotSent(errno.EBADF, f"{op}: not sent, what it names went with the "
@@ -536,6 +541,8 @@ class DaemonLink:
                     await self._connected.wait()
                 continue
             attempt = self.generation
+            if staging:
+                args["region"] = self.staging.region_id
             try:
                 if host_fh is not None:
                     args["fh"] = await self.daemon_fh(host_fh)
@@ -850,7 +857,7 @@ class DaemonLink:
 
     async def _read_into(self, fh, offset: int, slot: int, length: int = SLOT_SIZE) -> int:
         return (await self.call("read", host_fh=fh, offset=offset, length=length,
-                                region=self.staging.region_id,
+                                region=STAGING,
                                 region_offset=self.staging.offset(slot)))["length"]
 
     def _answer_from(self, slot: int, n: int):
@@ -931,7 +938,7 @@ class DaemonLink:
 
     async def _write_slot(self, fh, slot: int, offset: int, length: int, kill: bool) -> None:
         await self.call("write", host_fh=fh, offset=offset, length=length,
-                        region=self.staging.region_id, region_offset=self.staging.offset(slot),
+                        region=STAGING, region_offset=self.staging.offset(slot),
                         **({"kill_suidgid": True} if kill and self.daemon_clears_setid else {}))
 
     async def send_writes(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
@@ -972,7 +979,7 @@ class DaemonLink:
         try:
             if live:
                 r = await self.call("write_batch", host_fhs=[w.fh for w in live],
-                                    region=self.staging.region_id,
+                                    region=STAGING,
                                     offsets=[w.offset for w in live],
                                     lengths=[w.length for w in live],
                                     region_offsets=[self.staging.offset(w.slot) for w in live],
