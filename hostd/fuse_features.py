@@ -83,8 +83,10 @@ class FuseFeatures:
             words = "passthrough on"
         else:
             words = "passthrough not offered by the kernel"
-        log.info("FUSE 7.%d: %s, read requests up to %d KiB", lib.bc_kernel_minor(), words,
-                 lib.bc_max_pages() * 4)
+        mmap = ("shared mmap allowed" if lib.bc_shared_mmap_state() == 1 else
+                "shared mmap not offered by the kernel (ENODEV unless passthrough)")
+        log.info("FUSE 7.%d: %s, read requests up to %d KiB, %s", lib.bc_kernel_minor(), words,
+                 lib.bc_max_pages() * 4, mmap)
         return words
 
     def summary(self) -> str:

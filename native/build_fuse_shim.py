@@ -51,6 +51,7 @@ int bc_max_pages(void);
 int bc_kernel_minor(void);
 int bc_negotiate_request_timeout(int seconds);
 int bc_request_timeout_state(void);
+int bc_shared_mmap_state(void);
 int bc_backing_open(int fd);
 int bc_backing_close(int backing_id);
 #define BC_PT_KERNEL_READS 0

@@ -343,6 +343,7 @@ static int bc_reader_stop(void)
 #define BC_INIT_EXT (1u << 30)
 #define BC_INIT2_PASSTHROUGH (1u << 5) /* FUSE_PASSTHROUGH: bit 37 of the 64-bit flags */
 #define BC_INIT2_REQUEST_TIMEOUT (1u << 10) /* FUSE_REQUEST_TIMEOUT: bit 42 (7.43+) */
+#define BC_INIT2_DIRECT_IO_ALLOW_MMAP (1u << 4) /* FUSE_DIRECT_IO_ALLOW_MMAP: bit 36 (7.39+) */
 #define BC_FOPEN_DIRECT_IO (1u << 0)
 #define BC_FOPEN_KEEP_CACHE (1u << 1)
 #define BC_FOPEN_NOFLUSH (1u << 5)
@@ -423,6 +424,7 @@ static int bc_init_seen;
 static int bc_want_passthrough, bc_want_max_pages; /* bc_negotiate() */
 static int bc_want_request_timeout;                /* bc_negotiate_request_timeout() */
 static int bc_request_timeout_negotiated = -1;     /* seconds; 0 not offered; -1 not yet */
+static int bc_shared_mmap_negotiated = -1;         /* 1 yes, 0 not offered, -1 not yet */
 static int bc_io_installed;
 static int bc_dev_fd = -1;
 /* What the INIT reply said: -1 not yet, 0 no, 1 yes; max_pages 0 until then. */
@@ -500,6 +502,19 @@ static void bc_patch_init(struct bc_init_out *out)
     /* The kernel's request timeout (6.14+): a request this daemon leaves unanswered that long
      * makes the kernel abort the connection (fs/fuse/dev.c), so a caller never waits for a
      * stopped hostd for ever. Offered in the INIT request's flags2 where the kernel has it. */
+    /* Every handle hostd answers is FOPEN_DIRECT_IO, and of such a file the kernel refuses a
+     * shared mapping (MAP_SHARED: Python's mmap, numpy.memmap, safetensors) with ENODEV
+     * unless this was negotiated (fs/fuse/file.c, fuse_file_mmap). With it, the mapping
+     * reads and writes through the page cache and puts the inode in caching io mode until
+     * that handle's release; the kernel then refuses a passthrough open of the inode
+     * (fs/fuse/iomode.c), and fusefs/passthrough.py answers none while a handle without a
+     * backing is open. A handle with a backing maps its memfd, as before. */
+    bc_shared_mmap_negotiated = 0;
+    if ((bc_init_flags & BC_INIT_EXT) && (bc_init_flags2 & BC_INIT2_DIRECT_IO_ALLOW_MMAP)) {
+        out->flags |= BC_INIT_EXT;
+        out->flags2 |= BC_INIT2_DIRECT_IO_ALLOW_MMAP;
+        bc_shared_mmap_negotiated = 1;
+    }
     bc_request_timeout_negotiated = 0;
     if (bc_want_request_timeout > 0 && (bc_init_flags & BC_INIT_EXT) &&
         (bc_init_flags2 & BC_INIT2_REQUEST_TIMEOUT)) {
@@ -636,6 +651,16 @@ int bc_request_timeout_state(void)
 {
     pthread_mutex_lock(&bc_pt_lock);
     int state = bc_io_installed ? bc_request_timeout_negotiated : -1;
+    pthread_mutex_unlock(&bc_pt_lock);
+    return state;
+}
+
+/* After the INIT reply: 1 shared mappings of direct_io files allowed, 0 not offered by the
+ * kernel, -1 INIT not answered (yet) or no custom io. */
+int bc_shared_mmap_state(void)
+{
+    pthread_mutex_lock(&bc_pt_lock);
+    int state = bc_io_installed ? bc_shared_mmap_negotiated : -1;
     pthread_mutex_unlock(&bc_pt_lock);
     return state;
 }
