@@ -541,13 +541,14 @@ class DaemonLink:
                     await self._connected.wait()
                 continue
             attempt = self.generation
-            if staging:
-                args["region"] = self.staging.region_id
             try:
                 if host_fh is not None:
                     args["fh"] = await self.daemon_fh(host_fh)
                 if host_fhs is not None:
                     args["fhs"] = [await self.daemon_fh(fh) for fh in host_fhs]
+                attempt = self.generation   # (a re-open above may have waited out a reconnect)
+                if staging:
+                    args["region"] = self.staging.region_id
                 if with_fd:   # (result, fd or None)
                     return await self.client.call_with_fd(op, timeout=max(remaining, 0.001),
                                                           **args)
