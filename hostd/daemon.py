@@ -266,7 +266,7 @@ async def run(cfg, path: Path | None, notifier, assignments: list[str] | None = 
                         continue
                     log.info("%s: unmounting %s", signal.Signals(signum).name, mountpoint)
                     notifier.notify("STOPPING=1")
-                    stopping = True
+                    stopping = link.stopping = True
                     readiness.state = "stopping"
                     break
                 # Unmount while still serving, so the kernel's last RELEASE and FORGET requests

@@ -338,6 +338,7 @@ class DaemonLink:
         self._channel: RegionChannel | None = None
         self._connected = trio.Event()
         self._lost = trio.Event()
+        self.stopping = False   # set by hostd when it starts to unmount
         self._files: dict[int, OpenFile] = {}
         self._next_fh = 1
         # RELEASE is answered at once and forwarded by a task: close(2) returned long ago,
@@ -475,8 +476,10 @@ class DaemonLink:
 
     def _mark_lost(self, why: str) -> None:
         if self._connected.is_set():
-            log.warning("lost bluecached (%s); requests wait up to %gs", why,
-                        self.request_timeout)
+            # while hostd unmounts, its last requests may meet a daemon stopping with it
+            # (bluecachectl up, systemctl stop of both): expected, not a warning
+            log.log(logging.INFO if self.stopping else logging.WARNING,
+                    "lost bluecached (%s); requests wait up to %gs", why, self.request_timeout)
             self._connected = trio.Event()
             self._lost.set()
             self.client.fail_pending(errno.ECONNRESET, f"bluecached went away: {why}")

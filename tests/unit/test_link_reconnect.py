@@ -5,6 +5,7 @@ A real SEQPACKET socket; a small stand-in answers for bluecached (the protocol's
 ping), since the point is the moment between the daemon closing and hostd noticing."""
 
 import errno
+import logging
 import socket
 
 import trio
@@ -47,7 +48,8 @@ class StandInDaemon:
             peer.raw.shutdown(socket.SHUT_RDWR)
 
 
-def test_a_request_sent_into_a_socket_the_daemon_closed_waits_for_the_reconnect(tmp_path):
+def _closed_under_a_ping(tmp_path, stopping: bool = False) -> dict:
+    """The stand-in daemon shuts its end of the connection; a ping is sent right after."""
     path = str(tmp_path / "control.seq")
     daemon = StandInDaemon()
     outcome = {}
@@ -60,6 +62,7 @@ def test_a_request_sent_into_a_socket_the_daemon_closed_waits_for_the_reconnect(
             link = DaemonLink(client, None, slots=2, request_timeout=3)
             await link.connect()
             await nursery.start(link.watch)
+            link.stopping = stopping
             daemon.close_all()
             # no checkpoint between: the transport's reader has not seen the close yet
             try:
@@ -70,6 +73,21 @@ def test_a_request_sent_into_a_socket_the_daemon_closed_waits_for_the_reconnect(
             nursery.cancel_scope.cancel()
 
     trio.run(main, strict_exception_groups=True)
+    return outcome
+
+
+def test_a_request_sent_into_a_socket_the_daemon_closed_waits_for_the_reconnect(tmp_path):
+    outcome = _closed_under_a_ping(tmp_path)
     assert "error" not in outcome, outcome.get("error")
     assert outcome["reply"] == {}
     assert outcome["hellos"] == 2   # the link said hello again on the new connection
+
+
+def test_a_daemon_lost_while_hostd_stops_is_no_warning(tmp_path, caplog):
+    """`bluecachectl up` (or systemd) stops both daemons at once: hostd's last requests meet
+    bluecached's closed socket, which is expected then."""
+    with caplog.at_level(logging.INFO, logger="hostd.link"):
+        outcome = _closed_under_a_ping(tmp_path, stopping=True)
+    assert outcome.get("reply") == {}
+    lost = [r for r in caplog.records if "lost bluecached" in r.getMessage()]
+    assert lost and all(r.levelno == logging.INFO for r in lost)
