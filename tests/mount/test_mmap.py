@@ -4,40 +4,33 @@ shared mapping with ENODEV unless FUSE_DIRECT_IO_ALLOW_MMAP was negotiated; a ha
 kernel reads by passthrough maps the memfd instead. Both kinds, and a second open of a file
 mapped through the page cache (the kernel refuses a passthrough open of that inode then)."""
 
+import contextlib
 import mmap
 import os
 
+from test_passthrough import _restart_daemon
 from test_read_ahead import write_closed
 
 from support import MiB, pattern
 
 
-def _mapped(path, size: int, access=mmap.ACCESS_READ, flags=os.O_RDONLY) -> tuple[int, mmap.mmap]:
+@contextlib.contextmanager
+def _mapped(path, size: int, access=mmap.ACCESS_READ, flags=os.O_RDONLY):
+    """A shared mapping (MAP_SHARED) of `size` bytes of `path`, unmapped and closed after."""
     fd = os.open(path, flags)
     try:
-        return fd, mmap.mmap(fd, size, access=access)   # MAP_SHARED
-    except BaseException:
+        with mmap.mmap(fd, size, access=access) as m:
+            yield m
+    finally:
         os.close(fd)
-        raise
-
-
-def _restart_daemon(s) -> None:
-    """SIGTERM (every file written behind), started again: each file on NVMe only, so its next
-    open is read through hostd, with no memfd to map."""
-    assert s.daemon.stop() == 0
-    s.daemon.start()
 
 
 def test_a_file_read_through_hostd_maps_shared(mounted):
     s = mounted(hostd_settings={"mount.passthrough": False})
     data = pattern("mapped", 3 * MiB + 5)
     write_closed(s, s.path("mapped.bin"), data)
-    fd, m = _mapped(s.path("mapped.bin"), len(data))
-    try:
+    with _mapped(s.path("mapped.bin"), len(data)) as m:
         assert m[:] == data
-    finally:
-        m.close()
-        os.close(fd)
     log = s.hostd.log.read_text()
     assert "shared mmap allowed" in log
 
@@ -46,12 +39,8 @@ def test_a_file_read_by_passthrough_maps_its_memfd(mounted):
     s = mounted()
     data = pattern("dram", 2 * MiB)
     write_closed(s, s.path("dram.bin"), data)
-    fd, m = _mapped(s.path("dram.bin"), len(data))
-    try:
+    with _mapped(s.path("dram.bin"), len(data)) as m:
         assert m[:] == data
-    finally:
-        m.close()
-        os.close(fd)
 
 
 def test_opens_beside_a_mapping_through_the_page_cache_are_served(mounted):
@@ -63,15 +52,11 @@ def test_opens_beside_a_mapping_through_the_page_cache_are_served(mounted):
     data = pattern("cold", 4 * MiB + 4097)
     write_closed(s, s.path("cold.bin"), data)
     _restart_daemon(s)
-    fd, m = _mapped(s.path("cold.bin"), len(data))
-    try:
+    with _mapped(s.path("cold.bin"), len(data)) as m:
         assert m[:] == data
         for _ in range(3):   # the file comes into DRAM meanwhile
             assert s.path("cold.bin").read_bytes() == data
         assert m[:MiB] == data[:MiB]
-    finally:
-        m.close()
-        os.close(fd)
     assert s.path("cold.bin").read_bytes() == data   # and after the mapping went
 
 
@@ -80,13 +65,9 @@ def test_a_shared_writable_mapping_is_written_back_to_the_cache(mounted):
     data = pattern("before", 2 * MiB)
     write_closed(s, s.path("rw.bin"), data)
     patch = pattern("patch", 8192)
-    fd, m = _mapped(s.path("rw.bin"), len(data), access=mmap.ACCESS_WRITE, flags=os.O_RDWR)
-    try:
+    with _mapped(s.path("rw.bin"), len(data), access=mmap.ACCESS_WRITE, flags=os.O_RDWR) as m:
         m[MiB:MiB + len(patch)] = patch
         m.flush()   # msync: the dirty pages go to hostd as WRITEs
-    finally:
-        m.close()
-        os.close(fd)
     expected = data[:MiB] + patch + data[MiB + len(patch):]
     _restart_daemon(s)   # read back what bluecached holds (hostd drops the kernel's pages)
     with open(s.path("rw.bin"), "rb") as f:
