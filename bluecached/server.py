@@ -495,6 +495,7 @@ class ControlServer:
         if session not in self.sessions.values():   # it ended while the handle was opening
             engine.release(region)
             raise DmaError(errno.ECONNRESET, "the session ended during import_cuda_ipc")
+        self.store.tiers.dram.prepare_spares()   # page-locked ahead from now on
         return {"region": self.regions.add(region).id, "length": region.length}
 
     async def op_release_region(self, session, region) -> dict:

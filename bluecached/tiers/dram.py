@@ -89,6 +89,17 @@ class Memfd:
             os.posix_fallocate(self.fd, size - 1, 1)
         self.size = max(self.size, size)
 
+    def allocate(self, offset: int, length: int) -> None:
+        """Pages for [offset, offset+length) now, the size unchanged (blocking: a worker
+        thread's job): one call instead of a fault per 4 KiB at first touch, 2 MiB pages
+        where the shmem policy allows. Where the kernel refuses, the first touch still
+        allocates them."""
+        end = min(offset + length, self.size)
+        if end > offset:
+            with contextlib.suppress(OSError):
+                if _libc_fallocate(self.fd, _KEEP_SIZE, offset, end - offset) != 0:
+                    raise OSError(ctypes.get_errno(), "fallocate")
+
     def clear_from(self, offset: int) -> None:
         """Bytes from `offset` on become zeros (pages freed) without changing the size: for a
         shrink that must wait while someone copies. A copy in progress then reads zeros past
@@ -157,7 +168,8 @@ class Memfd:
             self.fd = -1
 
 
-_PUNCH_HOLE = 0x02 | 0x01   # FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE (os has neither)
+_KEEP_SIZE = 0x01            # FALLOC_FL_KEEP_SIZE (os has none)
+_PUNCH_HOLE = 0x02 | _KEEP_SIZE   # FALLOC_FL_PUNCH_HOLE
 
 
 def _punch_hole(fd: int, offset: int, length: int) -> None:
@@ -243,6 +255,8 @@ class DramPool:
         self.before_unmap = before_unmap
         self.after_map = after_map
         self._taken = trio.Event()   # set by take(): map_ahead tops the spares up
+        self._prepare_spares = False     # prepare_spares() asked, map_ahead not done yet
+        self._spares_prepared = False
         self.last_take = -1e9        # time.monotonic() of the last take
 
     @property
@@ -288,6 +302,14 @@ class DramPool:
         """Chunks of the capacity not mapped yet (neither in use nor mapped ahead)."""
         return self.capacity // CHUNK_SIZE - self._in_use - len(self._free)
 
+    def prepare_spares(self) -> None:
+        """The engine began to want host memory prepared (a first CUDA region): map_ahead
+        passes the spares mapped before that through after_map too, once, so that a copy
+        into them pays no registration on the request's path."""
+        if not self._spares_prepared:
+            self._spares_prepared = self._prepare_spares = True
+            self._taken.set()
+
     def add_spare(self, memfd: Memfd) -> None:
         """A memfd mapped ahead of need (map_ahead): kept while within the capacity."""
         memfd.before_unmap = self.before_unmap   # its windows may carry after_map's pins
@@ -315,9 +337,10 @@ class DramPool:
             end = (max(windows) + 1) * CHUNK_SIZE
             if memfd.size < end:   # every window inside the file: zeroing it cannot fault
                 memfd.resize(end)
-            if self.before_unmap is not None:   # a window waiting ahead carries no DMA
-                for chunk in windows.values():     # registration: it may be unmapped as is
-                    self.before_unmap(chunk)
+            # The windows keep a DMA engine's registrations (a CUDA page-lock): every way out
+            # of `ahead` unmaps through before_unmap, and a copy into the reused window then
+            # pays no registration (cuMemHostRegister of a 1 MiB window took ~70 us, and
+            # cuMemHostUnregister ~45 us, on an H200 host: docs/benchmarks/gpu-notes.md).
             memfd.ahead.update(windows)
             memfd.before_unmap = self.before_unmap
             self._freed.append(memfd)
@@ -360,6 +383,14 @@ async def map_ahead(pool: DramPool, ahead_bytes: int) -> None:
     whole tier at once."""
     ahead = pool.ahead_chunks = ahead_bytes // CHUNK_SIZE
     while True:
+        if pool._prepare_spares and pool.after_map is not None:
+            pool._prepare_spares = False
+            # out of the pool while a worker thread prepares them: none is taken, and so
+            # none unmapped, under its hands
+            spares, pool._spares = pool._spares, []
+            for spare in spares:
+                await trio.to_thread.run_sync(prepare_windows, spare, pool.after_map)
+            pool._spares = spares + pool._spares
         while pool._freed:
             freed = pool._freed.pop()
             await trio.to_thread.run_sync(zero_windows, freed, pool.after_map)
@@ -375,6 +406,12 @@ async def map_ahead(pool: DramPool, ahead_bytes: int) -> None:
         # bluecached's working samples under 8 llm-d writers (py-spy, 2-core Intel Xeon VM).
         while (quiet := time.monotonic() - pool.last_take) < MAP_AHEAD_QUIET_S:  # noqa: ASYNC110
             await trio.sleep(MAP_AHEAD_QUIET_S - quiet)
+
+
+def prepare_windows(memfd: Memfd, after_map) -> None:
+    """A spare's windows passed through the engine's after_map (blocking: a worker thread)."""
+    for chunk in memfd.ahead.values():
+        after_map(chunk)
 
 
 def zero_windows(memfd: Memfd, after_map=None) -> None:
