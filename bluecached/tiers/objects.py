@@ -28,6 +28,8 @@ class StoredObject:
         "deferred",    # chunks freed while pinned, returned to the pool at unpin
         "unpinned",    # trio.Event set when pins drop to 0, while someone waits for that
         "lock",        # serialises changes to the content (write, truncate, promotion)
+        "lock_reads",  # the lock's holder only reads the content (write-behind): a read
+                       # of resident chunks need not wait for it
         "queued",      # waiting for write-behind
         "remote_version",  # the content version the remote tier holds (-1: none known)
         "remote_info",     # a placeholder's S3 object (content only remote), else None
@@ -55,6 +57,7 @@ class StoredObject:
         self.deferred: list = []
         self.unpinned: trio.Event | None = None
         self.lock: trio.Lock | None = None
+        self.lock_reads = False
         self.queued = False
         self.remote_version = -1
         self.remote_info = None

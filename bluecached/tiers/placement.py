@@ -665,6 +665,7 @@ class Tiers:
             await trio.sleep_until(self._wb_resume)   # backing off after failures
             await self._yield_to_writers(node.obj)
             async with node.obj.content_lock():
+                node.obj.lock_reads = True   # changes wait; reads of the chunks need not
                 try:
                     await self.writeback(node)
                 except Exception:
@@ -672,6 +673,8 @@ class Tiers:
                     # holds: the object stays dirty in DRAM, the failure is counted and shown.
                     self.stats.writeback_failures += 1
                     log.exception("write-behind of inode %d failed unexpectedly", node.ino)
+                finally:
+                    node.obj.lock_reads = False
 
     # -- eviction by watermarks ------------------------------------------------------------
 

@@ -312,3 +312,40 @@ def test_a_renamed_directory_keeps_its_links_and_takes_new_entries(harness, clea
     b = h.store.ns.resolve("/b")
     assert b.nlink == 4 and sorted(b.children) == [b"f", b"sub", b"sub2"]
     h.store.mkdir(b.ino, b"after", 0o755, 0, 0)
+
+
+@pytest.mark.parametrize("holder_only_reads", [True, False])
+def test_a_hit_does_not_wait_for_write_behind_holding_the_content_lock(harness,
+                                                                        holder_only_reads):
+    """Write-behind holds the object's lock for a whole CRC and NVMe write, only reading: a
+    read of the resident chunks goes on beside it. A holder that changes the content (a
+    write, a truncation) is still waited for."""
+    h = harness()
+
+    async def main():
+        data = pattern("wb", 3 * MiB)
+        await h.put("/kv", data)
+        obj = h.store.ns.resolve("/kv").obj
+        held, done = trio.Event(), trio.Event()
+
+        async def holder():   # another task, as the write-behind worker is
+            async with obj.content_lock():
+                obj.lock_reads = holder_only_reads
+                held.set()
+                await done.wait()
+                obj.lock_reads = False
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(holder)
+            await held.wait()
+            with trio.move_on_after(2) as waited:
+                got = await h.get("/kv")
+            done.set()
+        if holder_only_reads:
+            assert not waited.cancelled_caught and got == data
+        else:
+            assert waited.cancelled_caught
+        assert await h.get("/kv") == data
+
+    run(main)
+    h.check_consistency()
