@@ -610,6 +610,8 @@ class Store:
             try:
                 missing = [i for i in range(first, last + 1) if obj.chunks[i] is None]
                 await self.tiers.take_windows(obj.chunks, missing)
+                if missing:
+                    await self._allocate_for(region, obj.chunks.memfd, offset, length)
                 self.tiers.pin(obj)
                 try:
                     await self.engine.to_store(region, region_offset,
@@ -642,6 +644,8 @@ class Store:
         try:
             if length and not (chunks.fresh and await self.engine.to_new_file(
                     region, region_offset, chunks.memfd.fd, length)):
+                if chunks.fresh:
+                    await self._allocate_for(region, chunks.memfd, 0, length)
                 await self.engine.to_store(region, region_offset, views(chunks, 0, length))
         except BaseException:
             self.tiers.discard_content(chunks)
@@ -665,6 +669,11 @@ class Store:
             obj.version += 1
         self.tiers.note_foreground_write()   # write-behind waits for a pause in STOREs too
         return length
+
+    async def _allocate_for(self, region, memfd, offset: int, length: int) -> None:
+        """The memfd's pages for a copy the engine wants them allocated for first."""
+        if memfd is not None and self.engine.wants_allocated(region):
+            await trio.to_thread.run_sync(memfd.allocate, offset, length)
 
     async def _copy_in_place(self, node: Inode, content: Chunks, length: int) -> None:
         """Makes the object's own chunks hold `content` (then given back), its size still to

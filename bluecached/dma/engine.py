@@ -79,6 +79,13 @@ class DmaEngine(ABC):
         content's chunks (to_store)."""
         return False
 
+    def wants_allocated(self, region: Region) -> bool:
+        """Whether store memory a copy from or to `region` touches should have its pages
+        before the copy (the caller allocates them, 2 MiB ones where the shmem policy
+        allows): memory a device reaches must be page-locked, and locking pages that are
+        not there yet faults them in one 4 KiB page at a time."""
+        return False
+
     @abstractmethod
     async def from_store(self, src: Sequence[memoryview], region: Region, offset: int) -> None:
         """Store buffers `src` into the region starting at `offset`."""

@@ -91,6 +91,12 @@ class LoopbackEngine(DmaEngine):
                                          f"allocation of {size} bytes")
         return Region(length, "cuda_ipc", (cuda, base, base + offset), owner)
 
+    def wants_allocated(self, region: Region) -> bool:
+        # Ad hoc on an H200 host (bench/gpu_parts.py, docs/benchmarks/gpu-notes.md): a 32 MiB
+        # copy into windows with no pages yet took 14.5 ms, against 3.1 ms to allocate and
+        # map them (fallocate, 2 MiB pages) plus 2.8 ms to lock and copy.
+        return region.kind == "cuda_ipc"
+
     def prepare_host_memory(self, chunk) -> None:
         """A chunk was mapped ahead of need (blocking: map_ahead's worker thread): once CUDA
         regions are in use, it is page-locked now, so that a copy never pays
