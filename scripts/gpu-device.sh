@@ -15,8 +15,9 @@
 #   GPU_TEST_TIMEOUT   seconds for the tests (default 200)
 #   GPU_BENCH_TIMEOUT  seconds for the bench (default 150)
 #   GPU_BUNDLE         the bundle (default .devgpu)
-#   GPU_STEPS          which steps to run (default "tests bench"; also "profile": the bench
-#                      under py-spy, into gpu-profile.txt)
+#   GPU_STEPS          which steps to run (default "tests bench"; also "parts": the CUDA
+#                      path's parts timed apart, bench/gpu_parts.py, into gpu-parts.json;
+#                      "profile": the bench under py-spy, into gpu-profile.txt)
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 2
 ROOT=$PWD
@@ -232,6 +233,17 @@ if [[ " $STEPS " == *" bench "* ]]; then
     --out-dir "$OUT" 2>&1 | tee "$OUT/gpu-bench.log"
   result[bench]=${PIPESTATUS[0]}
   say "step bench: exit ${result[bench]} in $(( $(date +%s) - t ))s"
+fi
+
+if [[ " $STEPS " == *" parts "* ]]; then
+  # where a block's time goes: bench/gpu_parts.py times each part of the CUDA path apart
+  sim=(); [ "$CUDA" = simulator ] && sim=(--simulator)
+  say "step parts: gpu_parts.py ${sim[*]} (limit ${BENCH_TIMEOUT}s)"
+  t=$(date +%s)
+  timeout -k 15 "$BENCH_TIMEOUT" "$PY" bench/gpu_parts.py "${sim[@]}" --out-dir "$OUT" \
+    2>&1 | tee "$OUT/gpu-parts.log"
+  result[parts]=${PIPESTATUS[0]}
+  say "step parts: exit ${result[parts]} in $(( $(date +%s) - t ))s"
 fi
 
 if [[ " $STEPS " == *" profile "* ]]; then
