@@ -27,7 +27,7 @@ from .paths import PathProblem
 from .server import ControlServer
 from .startup import StartupError, run_service
 from .tiers import nvme_clone
-from .tiers.dram import map_ahead
+from .tiers.dram import map_ahead, unmap_behind
 from .tiers.journal import JournalError
 from .verify import Verifier
 from .wire import curve, local_transport, protocol
@@ -270,6 +270,7 @@ class Daemon:
             tiers.promotions.configure(_hit_path(cfg.tiers.nvme.hit_path, tiers.nvme.path))
             tiers.read_lanes.depth = cfg.tiers.nvme.read_depth
             await services.start(tiers.promotions.run)
+        services.start_soon(unmap_behind, tiers.dram)
         if cfg.tiers.dram.prefault:
             services.start_soon(map_ahead, tiers.dram, cfg.tiers.dram.prefault)
         if self.store.remote is not None:

@@ -5,6 +5,7 @@ HOST_MEMORY_ALREADY_REGISTERED), which the CUDA tests once hit after spares were
 
 import ctypes
 import os
+import threading
 
 import trio
 
@@ -14,6 +15,7 @@ from bluecached.tiers.dram import (
     Memfd,
     map_ahead,
     populated_memfd,
+    unmap_behind,
     zero_windows,
 )
 
@@ -146,3 +148,41 @@ def test_allocate_gives_the_pages_and_keeps_the_size():
         assert os.fstat(memfd.fd).st_size == 4 * CHUNK_SIZE
     finally:
         memfd.close()
+
+
+def test_a_freed_content_is_unlocked_and_unmapped_off_the_event_loop():
+    """unmap_behind: a FORGET's unlocking and munmap of a whole object run in a worker
+    thread; every window still goes through before_unmap first, and what is queued when the
+    task ends is closed then."""
+    regs = CountedRegistrations()
+    threads = set()
+
+    def unpin(chunk):
+        threads.add(threading.get_ident())
+        regs.unpin(chunk)
+
+    pool = DramPool(64 * CHUNK_SIZE, before_unmap=unpin, after_map=regs.pin)
+
+    async def main():
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(unmap_behind, pool)
+            await wait_until(lambda: pool._unmapper is not None)
+            memfd = pool.new_memfd(4 * CHUNK_SIZE)          # no spares: a fresh memfd
+            chunks = [pool.take(memfd, i) for i in range(4)]
+            for c in chunks:
+                regs.pin(c)
+            pool.give_content(memfd, chunks)              # no prefault budget: closed
+            assert pool.used_bytes == 0 and memfd.fd >= 0   # counted free, closed later
+            await wait_until(lambda: memfd.fd == -1)
+            assert regs.unpins == 4 and threading.get_ident() not in threads
+            queued = pool.new_memfd(2 * CHUNK_SIZE)
+            chunks = [pool.take(queued, i) for i in range(2)]
+            pool.give_content(queued, chunks)
+            nursery.cancel_scope.cancel()
+        assert queued.fd == -1
+
+    try:
+        trio.run(main)
+    finally:
+        pool.close()
+    assert not regs.pinned and not regs.left_on_unmapped()
