@@ -9,6 +9,7 @@ import errno
 import itertools
 import logging
 import os
+import time
 
 import trio
 
@@ -146,6 +147,7 @@ class ControlServer:
             self._pump.send([identity, payload])
 
     async def _serve(self, identity: bytes, request: protocol.Request) -> None:
+        started = time.perf_counter()
         try:
             session = self.sessions.get(identity)
             if session is not None:
@@ -172,6 +174,11 @@ class ControlServer:
                             result.fd)
             else:
                 self._reply(identity, protocol.encode_reply(request.id, result))
+        finally:
+            # log_level: debug shows where a request's time went (one line per request)
+            if log.isEnabledFor(logging.DEBUG):
+                log.debug("%s served in %.3f ms", request.op,
+                          (time.perf_counter() - started) * 1e3)
 
     def _after_end(self, session: Session, op: str) -> None:
         """A request that was still being served when its session ended (a reconnect's

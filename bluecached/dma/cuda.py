@@ -18,6 +18,7 @@ import ctypes
 import errno
 import logging
 import threading
+import time
 
 from .engine import DmaError
 
@@ -200,8 +201,11 @@ class CudaContext:
         once, so the copy engine runs them back to back. A synchronous cuMemcpy per chunk
         would add a round trip to the driver per MiB (reasoned from the driver's documented
         behaviour, not measured: no GPU has been lent; bench/gpu_bench.py is the check)."""
+        started = time.perf_counter()
+        start = device_address
         self._current()
         stream = self._take_stream()
+        locked = len(self._pinned)
         try:
             for buf in buffers:
                 if not len(buf):
@@ -225,3 +229,7 @@ class CudaContext:
             self._check(self.cu.cuStreamSynchronize(stream), "cuStreamSynchronize")
         finally:
             self._give_stream(stream)
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("%s of %d bytes in %.3f ms (%d windows page-locked on the way)",
+                      "DtoH" if to_host else "HtoD", device_address - start,
+                      (time.perf_counter() - started) * 1e3, len(self._pinned) - locked)
