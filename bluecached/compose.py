@@ -45,7 +45,8 @@ def assemble_store(engine, *, dram_size: int, dram_marks: tuple[float, float],
             raise StartupError(f"NVMe tier at {nvme_path}: {describe(e)}") from None
     allow_fds_for(dram_size)
     pool = DramPool(dram_size, before_unmap=engine.forget_host_memory,
-                    after_map=getattr(engine, "prepare_host_memory", None))
+                    after_map=getattr(engine, "prepare_host_memory", None),
+                    locks_pages=getattr(engine, "locks_host_memory", None))
     # the tiers' evictor removes files through the store, which is built after them
     tiers = Tiers(pool, Watermarks(*dram_marks), nvme, Watermarks(*nvme_marks), journal,
                   write_through, journal_max_bytes,

@@ -368,6 +368,8 @@ class Store:
             # new EOF reads as zeros because the memfd is cut there (Tiers.set_length).
             self._set_size(node, size)
             if obj.kernel_writer is not None:   # the one cut a kernel writer's memfd gets
+                if not obj.pins:
+                    self.tiers.unlock_from(obj, size)
                 obj.chunks.memfd.resize(size)
                 obj.kernel_seen = _seen(obj.chunks.memfd.fd)
         self.tiers.queue_writeback(node)

@@ -104,6 +104,10 @@ class LoopbackEngine(DmaEngine):
         if self._cuda is not None:
             self._cuda.pin_ahead(chunk)
 
+    def locks_host_memory(self) -> bool:
+        """Whether store chunks may be page-locked now (once a CUDA region came)."""
+        return self._cuda is not None
+
     def forget_host_memory(self, chunk) -> None:
         """The DRAM pool is about to unmap `chunk`: drop a CUDA page-lock on it, if any."""
         if self._cuda is not None:

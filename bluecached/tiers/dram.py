@@ -101,12 +101,20 @@ class Memfd:
                 if _libc_fallocate(self.fd, _KEEP_SIZE, offset, end - offset) != 0:
                     raise OSError(ctypes.get_errno(), "fallocate")
 
-    def clear_from(self, offset: int) -> None:
+    def clear_from(self, offset: int, keep_pages: bool = False) -> None:
         """Bytes from `offset` on become zeros (pages freed) without changing the size: for a
         shrink that must wait while someone copies. A copy in progress then reads zeros past
-        that point, never faults (the pages are still inside the file)."""
-        if offset < self.size:
+        that point, never faults (the pages are still inside the file). `keep_pages`: zeros
+        written into the same pages instead, for pages an engine may have page-locked (a
+        device keeps the pages it locked: once the file let them go, its copies would read
+        and write pages nobody else sees)."""
+        if offset >= self.size:
+            return
+        if not keep_pages:
             _punch_hole(self.fd, offset, self.size - offset)
+            return
+        while offset < self.size:
+            offset += os.pwrite(self.fd, _ZEROS[:min(CHUNK_SIZE, self.size - offset)], offset)
 
     def window(self, index: int) -> mmap.mmap:
         """Chunk `index`: the 1 MiB window at index*CHUNK_SIZE, mapped shared."""
@@ -237,7 +245,7 @@ class Chunks(list):
 
 
 class DramPool:
-    def __init__(self, capacity: int, before_unmap=None, after_map=None):
+    def __init__(self, capacity: int, before_unmap=None, after_map=None, locks_pages=None):
         self.capacity = capacity - capacity % CHUNK_SIZE
         memory = physical_memory()
         if self.capacity > memory:
@@ -255,6 +263,9 @@ class DramPool:
         # it then, off any request's path).
         self.before_unmap = before_unmap
         self.after_map = after_map
+        # whether the engine may hold page-locks on chunks now (then no page under a chunk
+        # in use may leave its file: Tiers.unlock_from, Memfd.clear_from)
+        self.locks_pages = locks_pages or (lambda: False)
         self._taken = trio.Event()   # set by take(): map_ahead tops the spares up
         self._prepare_spares = False     # prepare_spares() asked, map_ahead not done yet
         self._unmapper = None            # unmap_behind's channel, while that task runs

@@ -215,7 +215,8 @@ class Tiers:
         shrinking = size < memfd.length
         memfd.length = size
         if shrinking and not self._may_trim(obj):
-            memfd.clear_from(size)   # what was cut off reads as zeros at once
+            # what was cut off reads as zeros at once
+            memfd.clear_from(size, keep_pages=self.dram.locks_pages())
         self.fit_memfd(obj)
 
     @staticmethod
@@ -248,7 +249,20 @@ class Tiers:
         if memfd.ahead and not obj.writers:   # complete: the spare's windows not taken go
             memfd.drop_ahead()                 # (holes of a sparse file among them)
         if memfd.size > memfd.length:
+            self.unlock_from(obj, memfd.length)
             memfd.resize(memfd.length)
+
+    def unlock_from(self, obj: StoredObject, offset: int) -> None:
+        """The chunks from the one holding `offset` on drop an engine's page-locks before the
+        memfd is cut there: a device keeps the pages it locked after the file lets them go,
+        and a copy after the file grew again would move the old pages, not the file's bytes.
+        (A later copy locks the chunk again, on the pages it has then.) Only where no copy
+        runs: the caller made sure (_may_trim, or no pins)."""
+        if self.dram.before_unmap is None or obj.chunks is None or not self.dram.locks_pages():
+            return
+        for chunk in obj.chunks[offset // CHUNK_SIZE:]:
+            if chunk is not None:
+                self.dram.before_unmap(chunk)
 
     def drop_dram(self, node: Inode) -> None:
         obj = node.obj

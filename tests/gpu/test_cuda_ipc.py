@@ -335,3 +335,47 @@ def test_a_stream_that_is_not_one_is_refused_in_the_caller(cu, mounted, stream):
         assert not (s.mnt / "x.bin").exists()
     finally:
         buf.free()
+
+
+@pytest.mark.parametrize("pages", ["4KiB", "2MiB"])
+def test_a_load_after_a_truncation_and_a_regrow_moves_the_new_bytes(cu, mounted, pages):
+    """A CUDA copy page-locks the chunks it touches, and the GPU keeps the pages it locked.
+    A truncation cuts the memfd's pages past the new end, and a write that grows the file
+    again gets new pages. A LOAD must then move those, not the locked old ones. (On 2 MiB
+    pages the kernel zeroes a locked page it cannot split in place instead; on the
+    simulator, which locks nothing, this passes either way.)"""
+    from bluecached import huge_pages
+    before = huge_pages.shmem_policy()
+    if pages == "4KiB":
+        if before not in ("never", "advise", "within_size", "always"):
+            pytest.skip(f"the kernel's shmem huge page policy is {before}")
+        huge_pages.SHMEM_ENABLED.write_text("never\n")
+    try:
+        _truncate_regrow_load(cu, mounted(**{"tiers.dram.huge_pages": pages == "2MiB"}))
+    finally:
+        if pages == "4KiB":
+            huge_pages.SHMEM_ENABLED.write_text(f"{before}\n")
+
+
+def _truncate_regrow_load(cu, s) -> None:
+    path = s.mnt / "cut.bin"
+    old = pattern("old", 2 * MiB)
+    src, dst = DeviceBuffer(cu, 2 * MiB), DeviceBuffer(cu, 2 * MiB)
+    try:
+        src.write(old)
+        assert store_from(str(path), src) == 2 * MiB
+        dst.write(bytes(2 * MiB))
+        assert load_into(str(path), dst) == 2 * MiB and dst.read() == old
+        cut = 3 * MiB // 2
+        os.truncate(path, cut)
+        tail = pattern("new", 2 * MiB - cut)
+        with open(path, "r+b") as f:
+            f.seek(cut)
+            f.write(tail)
+        assert path.read_bytes() == old[:cut] + tail
+        dst.write(bytes(2 * MiB))
+        assert load_into(str(path), dst) == 2 * MiB
+        assert dst.read() == old[:cut] + tail
+    finally:
+        src.free()
+        dst.free()

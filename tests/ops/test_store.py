@@ -349,3 +349,25 @@ def test_a_hit_does_not_wait_for_write_behind_holding_the_content_lock(harness,
 
     run(main)
     h.check_consistency()
+
+
+def test_a_truncation_unlocks_the_chunks_it_cuts_where_the_engine_locks_pages(harness):
+    """The memfd is cut at the new end only after the chunk holding it (and any past it) let
+    go of an engine's page-locks: a device keeps the pages it locked, and would move the old
+    ones after the file grew again. Chunks before it keep theirs."""
+    h = harness()
+    unlocked = []
+    pool = h.store.tiers.dram
+    pool.before_unmap = lambda chunk: unlocked.append(chunk)
+    pool.locks_pages = lambda: True
+
+    async def main():
+        await h.put("/kv", pattern("kv", 3 * MiB))
+        obj = h.store.ns.resolve("/kv").obj
+        first, second = obj.chunks[0], obj.chunks[1]
+        await h.store.setattr(h.store.ns.resolve("/kv").ino, size=MiB + MiB // 2)
+        assert any(c is second for c in unlocked) and not any(c is first for c in unlocked)
+        assert await h.get("/kv") == pattern("kv", 3 * MiB)[:MiB + MiB // 2]
+
+    run(main)
+    h.check_consistency()

@@ -186,3 +186,22 @@ def test_a_freed_content_is_unlocked_and_unmapped_off_the_event_loop():
     finally:
         pool.close()
     assert not regs.pinned and not regs.left_on_unmapped()
+
+
+def test_clearing_keeps_the_pages_where_an_engine_may_have_locked_them():
+    """A punched hole frees the pages; a device that locked them keeps reading and writing
+    those. With keep_pages the same pages hold the zeros."""
+    for keep in (False, True):
+        memfd = Memfd(2 * CHUNK_SIZE)
+        window = memfd.window(1)
+        try:
+            window[:] = b"\x5a" * CHUNK_SIZE
+            blocks = os.fstat(memfd.fd).st_blocks
+            memfd.clear_from(CHUNK_SIZE + CHUNK_SIZE // 2, keep_pages=keep)
+            assert window[:CHUNK_SIZE // 2] == b"\x5a" * (CHUNK_SIZE // 2)
+            assert window[CHUNK_SIZE // 2:] == bytes(CHUNK_SIZE // 2)
+            if keep:   # (a punch frees 4 KiB pages; a 2 MiB one it may only zero in place)
+                assert os.fstat(memfd.fd).st_blocks == blocks
+        finally:
+            window.close()
+            memfd.close()
