@@ -27,6 +27,7 @@ numbers with --simulator (tests/cuda_sim.py: copies by the CPU) only prove the s
 """
 
 import argparse
+import contextlib
 import ctypes
 import json
 import mmap
@@ -39,15 +40,12 @@ from pathlib import Path
 import harness
 
 from bluecached.dma import cuda as bc_cuda
+from bluecached.dma.cuda import _address
 from bluecached.huge_pages import SHMEM_ENABLED, shmem_policy
 from bluecached.tiers.dram import CHUNK_SIZE, Memfd, populated_memfd
 
 sys.path.append(str(harness.ROOT / "tests"))
 import cuda_sim  # noqa: E402  (test tooling, found by path: it never ships)
-
-
-def _address(buffer) -> int:
-    return ctypes.addressof(ctypes.c_char.from_buffer(buffer))
 
 
 class Parts:
@@ -110,7 +108,9 @@ class Parts:
         memfd.close()
         return undo if unregister else took
 
-    def register_whole(self) -> float:
+    @contextlib.contextmanager
+    def whole(self):
+        """One mapping of a whole populated spare, and the seconds registering it took."""
         memfd = self.spare()
         whole = mmap.mmap(memfd.fd, self.size, mmap.MAP_SHARED | mmap.MAP_POPULATE)
         address = _address(whole)
@@ -118,11 +118,16 @@ class Parts:
         self.ctx._check(self.cu.cuMemHostRegister(address, self.size,
                                                   self.cu.CU_MEMHOSTREGISTER_PORTABLE),
                         "cuMemHostRegister")
-        took = time.perf_counter() - t
-        self.cu.cuMemHostUnregister(address)
-        whole.close()
-        memfd.close()
-        return took
+        try:
+            yield address, time.perf_counter() - t
+        finally:
+            self.cu.cuMemHostUnregister(address)
+            whole.close()
+            memfd.close()
+
+    def register_whole(self) -> float:
+        with self.whole() as (_, took):
+            return took
 
     def dtoh(self, how: str) -> float:
         if how == "fresh":
@@ -155,22 +160,14 @@ class Parts:
         return took
 
     def dtoh_whole(self) -> float:
-        memfd = self.spare()
-        whole = mmap.mmap(memfd.fd, self.size, mmap.MAP_SHARED | mmap.MAP_POPULATE)
-        address = _address(whole)
-        self.ctx._check(self.cu.cuMemHostRegister(address, self.size,
-                                                  self.cu.CU_MEMHOSTREGISTER_PORTABLE),
-                        "cuMemHostRegister")
-        stream = self.ctx._take_stream()
-        t = time.perf_counter()
-        self.ctx._check(self.cu.cuMemcpyDtoHAsync(address, self.dev, self.size, stream),
-                        "cuMemcpyDtoHAsync")
-        self.ctx._check(self.cu.cuStreamSynchronize(stream), "cuStreamSynchronize")
-        took = time.perf_counter() - t
-        self.ctx._give_stream(stream)
-        self.cu.cuMemHostUnregister(address)
-        whole.close()
-        memfd.close()
+        with self.whole() as (address, _):
+            stream = self.ctx._take_stream()
+            t = time.perf_counter()
+            self.ctx._check(self.cu.cuMemcpyDtoHAsync(address, self.dev, self.size, stream),
+                            "cuMemcpyDtoHAsync")
+            self.ctx._check(self.cu.cuStreamSynchronize(stream), "cuStreamSynchronize")
+            took = time.perf_counter() - t
+            self.ctx._give_stream(stream)
         return took
 
     def cumemcpy_dtoh(self) -> float:

@@ -4,6 +4,7 @@ Every method raises FsError with the errno the client should see. Bulk bytes mov
 the DMA engine, between a client's registered region and the object's chunks.
 """
 
+import contextlib
 import errno
 import logging
 import os
@@ -483,21 +484,18 @@ class Store:
     async def _read_resident(self, node: Inode, offset: int, length: int, region,
                              region_offset: int) -> int:
         obj = node.obj
-        if obj.chunks is not None and obj.lock_reads:
-            # Write-behind holds the lock, only reading (a CRC and an NVMe write of the whole
-            # object, tens of ms): a hit copies beside it, as it would after it; the pin
-            # keeps the chunks (the copy below never held the lock anyway).
-            self.tiers.stats.dram.hits += 1
+        # Waits out a promotion or a write in progress; not write-behind, which holds the
+        # lock only reading (a CRC and an NVMe write of the whole object, tens of ms): a hit
+        # copies beside it as it would after it, the pin keeping the chunks (the copy below
+        # never held the lock anyway).
+        beside = obj.chunks is not None and obj.lock_reads
+        async with contextlib.nullcontext() if beside else obj.content_lock():
+            if obj.chunks is None:
+                await self._load(node)
+            else:
+                self.tiers.stats.dram.hits += 1
             length = max(0, min(length, node.size - offset))
             self.tiers.pin(obj)
-        else:
-            async with obj.content_lock():  # waits out a promotion or a write in progress
-                if obj.chunks is None:
-                    await self._load(node)
-                else:
-                    self.tiers.stats.dram.hits += 1
-                length = max(0, min(length, node.size - offset))
-                self.tiers.pin(obj)
         if self.remote is not None:
             self.remote.note_read(node)
         try:

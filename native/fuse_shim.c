@@ -499,9 +499,6 @@ static void bc_patch_init(struct bc_init_out *out)
         out->max_pages = (uint16_t)bc_want_max_pages;
     }
     bc_max_pages_negotiated = (out->flags & BC_INIT_MAX_PAGES) ? out->max_pages : 32;
-    /* The kernel's request timeout (6.14+): a request this daemon leaves unanswered that long
-     * makes the kernel abort the connection (fs/fuse/dev.c), so a caller never waits for a
-     * stopped hostd for ever. Offered in the INIT request's flags2 where the kernel has it. */
     /* Every handle hostd answers is FOPEN_DIRECT_IO, and of such a file the kernel refuses a
      * shared mapping (MAP_SHARED: Python's mmap, numpy.memmap, safetensors) with ENODEV
      * unless this was negotiated (fs/fuse/file.c, fuse_file_mmap). With it, the mapping
@@ -515,6 +512,9 @@ static void bc_patch_init(struct bc_init_out *out)
         out->flags2 |= BC_INIT2_DIRECT_IO_ALLOW_MMAP;
         bc_shared_mmap_negotiated = 1;
     }
+    /* The kernel's request timeout (6.14+): a request this daemon leaves unanswered that long
+     * makes the kernel abort the connection (fs/fuse/dev.c), so a caller never waits for a
+     * stopped hostd for ever. Offered in the INIT request's flags2 where the kernel has it. */
     bc_request_timeout_negotiated = 0;
     if (bc_want_request_timeout > 0 && (bc_init_flags & BC_INIT_EXT) &&
         (bc_init_flags2 & BC_INIT2_REQUEST_TIMEOUT)) {

@@ -28,6 +28,27 @@ def pytest_runtest_makereport(item, call):
 
 
 @pytest.fixture
+def shmem_policy_kept():
+    """The machine's shmem huge page policy, put back afterwards (the daemons raise it, and
+    some tests set it): yields the policy found."""
+    from bluecached import huge_pages
+    before = huge_pages.shmem_policy()
+    if before is None:
+        pytest.skip("no shmem huge page policy on this kernel")
+    yield before
+    huge_pages.SHMEM_ENABLED.write_text(f"{before}\n")
+
+
+@pytest.fixture
+def shmem_never(shmem_policy_kept):
+    """shmem policy `never` (4 KiB pages for memfds) for the test, the machine's afterwards."""
+    from bluecached import huge_pages
+    if shmem_policy_kept not in ("never", "advise", "within_size", "always"):
+        pytest.skip(f"the kernel's shmem huge page policy is {shmem_policy_kept}")
+    huge_pages.SHMEM_ENABLED.write_text("never\n")
+
+
+@pytest.fixture
 def harness(tmp_path):
     made = []
 

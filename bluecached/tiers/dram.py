@@ -97,9 +97,7 @@ class Memfd:
         allocates them."""
         end = min(offset + length, self.size)
         if end > offset:
-            with contextlib.suppress(OSError):
-                if _libc_fallocate(self.fd, _KEEP_SIZE, offset, end - offset) != 0:
-                    raise OSError(ctypes.get_errno(), "fallocate")
+            _libc_fallocate(self.fd, _KEEP_SIZE, offset, end - offset)   # (a refusal: see above)
 
     def clear_from(self, offset: int, keep_pages: bool = False) -> None:
         """Bytes from `offset` on become zeros (pages freed) without changing the size: for a

@@ -338,23 +338,16 @@ def test_a_stream_that_is_not_one_is_refused_in_the_caller(cu, mounted, stream):
 
 
 @pytest.mark.parametrize("pages", ["4KiB", "2MiB"])
-def test_a_load_after_a_truncation_and_a_regrow_moves_the_new_bytes(cu, mounted, pages):
+def test_a_load_after_a_truncation_and_a_regrow_moves_the_new_bytes(cu, mounted, pages,
+                                                                       request):
     """A CUDA copy page-locks the chunks it touches, and the GPU keeps the pages it locked.
     A truncation cuts the memfd's pages past the new end, and a write that grows the file
     again gets new pages. A LOAD must then move those, not the locked old ones. (On 2 MiB
     pages the kernel zeroes a locked page it cannot split in place instead; on the
     simulator, which locks nothing, this passes either way.)"""
-    from bluecached import huge_pages
-    before = huge_pages.shmem_policy()
     if pages == "4KiB":
-        if before not in ("never", "advise", "within_size", "always"):
-            pytest.skip(f"the kernel's shmem huge page policy is {before}")
-        huge_pages.SHMEM_ENABLED.write_text("never\n")
-    try:
-        _truncate_regrow_load(cu, mounted(**{"tiers.dram.huge_pages": pages == "2MiB"}))
-    finally:
-        if pages == "4KiB":
-            huge_pages.SHMEM_ENABLED.write_text(f"{before}\n")
+        request.getfixturevalue("shmem_never")
+    _truncate_regrow_load(cu, mounted(**{"tiers.dram.huge_pages": pages == "2MiB"}))
 
 
 def _truncate_regrow_load(cu, s) -> None:

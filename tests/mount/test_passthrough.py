@@ -387,18 +387,6 @@ def test_a_new_file_is_written_by_the_kernel_into_the_memfd(mounted):
     assert "write opens written by the kernel: 1" in log
 
 
-@pytest.fixture
-def shmem_policy_kept():
-    """The machine's shmem huge page policy, put back afterwards (the daemons raise it)."""
-    from bluecached import huge_pages
-    before = huge_pages.shmem_policy()
-    if before not in ("never", "advise", "within_size", "always"):
-        pytest.skip(f"the kernel's shmem huge page policy is {before}")
-    huge_pages.SHMEM_ENABLED.write_text("never\n")
-    yield
-    huge_pages.SHMEM_ENABLED.write_text(f"{before}\n")
-
-
 def _pmd_mapped_kib_of_object(stack, size: int) -> int:
     """pmd_mapped_kib of bluecached's one object memfd of that size."""
     fds = f"/proc/{stack.daemon.proc.pid}/fd"
@@ -414,7 +402,7 @@ def _pmd_mapped_kib_of_object(stack, size: int) -> int:
 
 
 @pytest.mark.parametrize("huge", [True, False])
-def test_a_store_by_the_writers_kernel_lands_on_2mib_pages(mounted, shmem_policy_kept, huge):
+def test_a_store_by_the_writers_kernel_lands_on_2mib_pages(mounted, shmem_never, huge):
     """tiers.dram.huge_pages: bluecached sets the shmem policy to within_size, so the pages a
     writer's kernel allocates in the object's memfd (passthrough) are 2 MiB ones; without
     it (policy `advise`, hostd's) they are 4 KiB ones. The bytes read back either way."""

@@ -89,16 +89,6 @@ def test_deny_or_an_unreadable_policy_leaves_the_dram_tier_small(tmp_path, text,
     assert "DRAM tier stays on 4 KiB pages" in caplog.text
 
 
-@pytest.fixture
-def shmem_policy_kept():
-    """The machine's shmem policy, put back afterwards (the daemons raise it)."""
-    before = huge_pages.shmem_policy()
-    if before is None:
-        pytest.skip("no shmem huge page policy on this kernel")
-    yield before
-    huge_pages.SHMEM_ENABLED.write_text(f"{before}\n")
-
-
 def region_fields(region: SharedRegion) -> dict[str, int]:
     return smaps_fields(os.fstat(region.fd).st_ino, region.length)
 
