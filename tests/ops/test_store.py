@@ -371,3 +371,37 @@ def test_a_truncation_unlocks_the_chunks_it_cuts_where_the_engine_locks_pages(ha
 
     run(main)
     h.check_consistency()
+
+
+@pytest.mark.parametrize("wanted", [True, False])
+def test_memory_is_allocated_before_a_copy_the_engine_wants_it_for(harness, monkeypatch,
+                                                                   wanted):
+    """A copy from a region whose memory the engine must page-lock (CUDA) first gets the
+    pages it lands in, in one call: a STORE's fresh content and a write's new chunks. Other
+    regions leave the pages to the copy."""
+    from bluecached.tiers.dram import Memfd
+    h = harness()
+    allocated = []
+    real = Memfd.allocate
+    monkeypatch.setattr(Memfd, "allocate",
+                        lambda self, offset, length: (allocated.append((offset, length)),
+                                                      real(self, offset, length)))
+    monkeypatch.setattr(h.store.engine, "wants_allocated", lambda region: wanted)
+
+    async def main():
+        data = pattern("alloc", 3 * MiB)
+        await h.put("/w", data)                      # writes into chunks not there yet
+        assert await h.get("/w") == data
+        handle = await h.store.create(h.store.root().ino, b"s", 0o644, 0, 0,
+                                      os.O_WRONLY | os.O_CREAT)
+        h.shm.view[:2 * MiB] = data[:2 * MiB]
+        assert await h.store.replace(handle.fh, 2 * MiB, h.region, 0) == 2 * MiB
+        h.store.release(handle.fh)
+        assert await h.get("/s") == data[:2 * MiB]
+
+    run(main)
+    if wanted:
+        assert [a for a in allocated if a == (0, MiB)] and (MiB, MiB) in allocated
+    else:
+        assert not allocated
+    h.check_consistency()
