@@ -44,6 +44,8 @@ class Handle:
     session: int
     backed: bool = False   # its client holds the object's memfd (`backing`)
     unbuffered: bool = False   # opened O_DIRECT: its reads bypass the page cache
+    # a kernel writer's: its memfd's (size, mtime) at its client's last close (FLUSH)
+    closed_as: tuple[int, int] | None = None
 
 
 class Lent(NamedTuple):
@@ -131,19 +133,31 @@ class Store:
         return summary
 
     async def flush_all(self) -> None:
-        """Writes every dirty object behind (SIGTERM path: everything persisted)."""
+        """Writes every dirty object behind (SIGTERM path: everything persisted), except
+        what a client's kernel is writing: that writer goes on writing a memfd the next
+        daemon never has and its close fails (EIO), so what the memfd holds now is no
+        version the client wrote. Persisted, its name would show it after the restart,
+        and llm-d, which renames before it closes, would publish it under the block's final
+        name. It stays as after a crash: its last fsync, or nothing."""
         if self.tiers.nvme is None:
             return
+        being_written = 0
         for node in list(self.tiers.lru_dram.values()):
             obj = node.obj
-            if obj.dirty and node.parent is not None:
+            if obj.kernel_writer is not None:
+                being_written += 1
+            elif obj.dirty and node.parent is not None:
                 async with obj.content_lock():
                     try:
-                        self.observe(node, chunks=True)   # a kernel writer still open
-                        await self.tiers.writeback(node, kernel_writer_seen=True)
+                        await self.tiers.writeback(node)
                     except Exception:   # the rest still deserve their chance
                         log.exception("persisting inode %d failed", node.ino)
-        lost = [n for n in self.tiers.lru_dram.values() if n.obj.dirty and n.parent is not None]
+        if being_written:
+            log.warning("%d files being written by a client's kernel are not persisted with "
+                        "this stop: their writers' closes fail (EIO), as after a crash",
+                        being_written)
+        lost = [n for n in self.tiers.lru_dram.values()
+                if n.obj.dirty and n.parent is not None and n.obj.kernel_writer is None]
         if lost:
             log.error("%d files (%d MiB) held only in DRAM could not be written to NVMe and are "
                       "lost with this stop (see the write-behind messages above for why)",
@@ -716,10 +730,13 @@ class Store:
             self.tiers.unpin(obj)
 
     async def flush(self, fh: int) -> None:
-        node = self._handle(fh).node
+        handle = self._handle(fh)
+        node = handle.node
         self.observe(node)   # a kernel writer's close: its size, seen
         if node.obj is not None and node.obj.kernel_writer is not None:
             self._bound_kernel_writes()
+            if node.obj.kernel_writer == fh:
+                handle.closed_as = node.obj.kernel_seen
         self._kernel_refusal(node)
         if self.tiers.write_through:
             await self._persist(fh, "write-through")
@@ -1117,10 +1134,27 @@ class Store:
             self._maybe_destroy(node)
 
     def release_session(self, session: int) -> int:
-        """Closes what a client that went away left open."""
+        """Closes what a client that went away left open. A file its kernel was writing
+        goes unless its writer closed it (a FLUSH came, and the memfd is as it was then: the
+        RELEASE after a close is sent later and may be lost with its client) or it is
+        persisted as it stands (fsynced, not written since). Else the writer never closed
+        it, and its close fails (EIO: hostd's link is new), so what the memfd holds is no
+        version the writer finished, and a name must not show it (llm-d renames before it
+        closes: the block's final name would). As after a crash: its last fsync, or nothing."""
         fhs = [h.fh for h in self.handles.values() if h.session == session]
+        unfinished = []
         for fh in fhs:
+            handle = self.handles[fh]
+            node = handle.node
+            writer = node.obj.kernel_writer == fh
             self.release(fh)
+            if writer and node.obj is not None and handle.closed_as != node.obj.kernel_seen:
+                unfinished.append(node)
+        for node in unfinished:
+            if node.obj is not None and node.obj.dirty and self.ns.inodes.get(node.ino) is node:
+                log.warning("inode %d (%s): its writer's client went away before closing it: "
+                            "removed, as it holds no finished version", node.ino, node.name)
+                self.remove_object(node, "writer gone before its close")
         self._unbuffered_readers.pop(session, None)
         return len(fhs)
 

@@ -4,12 +4,14 @@ fail (EIO) and no name may ever show those bytes as a complete file."""
 
 import errno
 import os
+import signal
 
 import pytest
 
 from support import MiB, pattern, wait_settled
 
-GONE = ["lost bluecached", "-> EIO", "not delivered", "restarted while inode"]
+GONE = ["lost bluecached", "-> EIO", "not delivered", "restarted while inode",
+        "went away before closing it", "not persisted with this stop"]
 
 
 def test_a_kernel_writer_across_a_bluecached_restart_fails_its_close(mounted):
@@ -30,8 +32,34 @@ def test_a_kernel_writer_across_a_bluecached_restart_fails_its_close(mounted):
         with pytest.raises(OSError) as e:
             os.close(fd)
     assert e.value.errno == errno.EIO
-    with pytest.raises(FileNotFoundError):   # llm-d renames after close: the tmp is gone
+    with pytest.raises(FileNotFoundError):   # vLLM renames after its close: the tmp is gone
         os.rename(tmp, final)
     assert not os.path.exists(final)
     with open(os.path.join(root, "kept.bin"), "rb") as f:
         assert f.read() == kept
+
+
+@pytest.mark.parametrize("stop", ["SIGTERM", "SIGKILL"])
+def test_llmd_renaming_a_kernel_written_file_across_a_restart_publishes_nothing(mounted, stop):
+    """llm-d renames its temporary onto the final name while the fd is still open, then
+    closes (../shared/facts/posix-clients.md). A restart between its write and the rename
+    leaves the kernel writing a memfd the new daemon never had: whether bluecached stopped
+    cleanly or was killed, the rename must not publish what the old daemon held of it (a
+    SIGTERM once persisted the memfd as it was, and the rename then showed a 0-byte or
+    partial block under the final name, which llm-d would load as a success)."""
+    s = mounted(allow_log=GONE, **{"tiers.dram.size": "256MiB", "tiers.nvme.size": "1GiB"})
+    root = str(s.mnt)
+    tmp, final = os.path.join(root, "block.bin_1a2b.tmp"), os.path.join(root, "block.bin")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
+    try:
+        os.write(fd, pattern("first half", 2 * MiB))
+        s.daemon.stop(getattr(signal, stop)) if stop == "SIGTERM" else s.daemon.kill()
+        s.daemon.start()                   # hostd reconnects by itself
+        os.write(fd, pattern("second half", 2 * MiB))   # into the old memfd
+        with pytest.raises(FileNotFoundError):
+            os.rename(tmp, final)
+    finally:
+        with pytest.raises(OSError) as e:
+            os.close(fd)
+    assert e.value.errno == errno.EIO
+    assert not os.path.exists(final) and not os.path.exists(tmp)

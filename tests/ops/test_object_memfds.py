@@ -535,3 +535,42 @@ def test_a_full_dram_tier_stops_the_writer_that_wrote_last(harness):
             h.store.ns.resolve("/late")
     h.serve(main)
     h.check_consistency()
+
+
+@pytest.mark.parametrize("left", ["writing", "fsynced", "closed"])
+def test_a_file_whose_kernel_writer_went_away_unclosed_is_no_version(harness, left):
+    """A client that goes away (its session ends) while its kernel writes a new file never
+    finished it: the file goes, under whatever name it had (llm-d renames before its close),
+    unless fsynced and not written since (the fsynced bytes stay, as after a crash), or
+    closed: a close's FLUSH came and the RELEASE, sent later, was lost with the client."""
+    h = harness(dram=64 * MiB)
+    data = pattern("unclosed", 3 * MiB)
+
+    async def main():
+        parent = h.store.root().ino
+        w = await h.store.create(parent, b"k.tmp", 0o644, 0, 0, os.O_WRONLY | os.O_CREAT,
+                                 session=7)
+        fd, _ = h.store.backing(w.fh)
+        try:
+            os.pwrite(fd, data, 0)
+            if left == "fsynced":
+                await h.store.fsync(w.fh)
+            h.store.rename(parent, b"k.tmp", parent, b"k")
+            if left == "closed":
+                await h.store.flush(w.fh)
+            if left == "writing":
+                os.pwrite(fd, b"more", len(data))   # still writing when the client went
+        finally:
+            os.close(fd)
+        assert h.store.release_session(7) == 1
+        if left == "writing":
+            with pytest.raises(FsError) as e:
+                h.store.ns.resolve("/k")
+            assert e.value.errno == errno.ENOENT
+        else:
+            assert await h.get("/k") == data
+        await h.settle()
+    h.serve(main)
+    assert any(event == "removed" and f["reason"] == "writer gone before its close"
+               for event, f in h.events) == (left == "writing")
+    h.check_consistency()
