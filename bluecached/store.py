@@ -133,31 +133,29 @@ class Store:
         return summary
 
     async def flush_all(self) -> None:
-        """Writes every dirty object behind (SIGTERM path: everything persisted), except
-        what a client's kernel is writing: that writer goes on writing a memfd the next
-        daemon never has and its close fails (EIO), so what the memfd holds now is no
-        version the client wrote. Persisted, its name would show it after the restart,
-        and llm-d, which renames before it closes, would publish it under the block's final
-        name. It stays as after a crash: its last fsync, or nothing."""
+        """Writes every dirty object behind (SIGTERM path: everything persisted), except a
+        file a client's kernel is writing that holds no version its writer finished
+        (_writer_unfinished): as after a crash, that stays its last fsync, or nothing."""
         if self.tiers.nvme is None:
             return
-        being_written = 0
+        unfinished = set()
         for node in list(self.tiers.lru_dram.values()):
             obj = node.obj
-            if obj.kernel_writer is not None:
-                being_written += 1
+            if obj.kernel_writer is not None and self._writer_unfinished(obj.kernel_writer):
+                unfinished.add(node.ino)
             elif obj.dirty and node.parent is not None:
                 async with obj.content_lock():
                     try:
-                        await self.tiers.writeback(node)
+                        self.observe(node, chunks=True)   # a closed kernel writer's bytes
+                        await self.tiers.writeback(node, kernel_writer_seen=True)
                     except Exception:   # the rest still deserve their chance
                         log.exception("persisting inode %d failed", node.ino)
-        if being_written:
+        if unfinished:
             log.warning("%d files being written by a client's kernel are not persisted with "
                         "this stop: their writers' closes fail (EIO), as after a crash",
-                        being_written)
+                        len(unfinished))
         lost = [n for n in self.tiers.lru_dram.values()
-                if n.obj.dirty and n.parent is not None and n.obj.kernel_writer is None]
+                if n.obj.dirty and n.parent is not None and n.ino not in unfinished]
         if lost:
             log.error("%d files (%d MiB) held only in DRAM could not be written to NVMe and are "
                       "lost with this stop (see the write-behind messages above for why)",
@@ -952,6 +950,19 @@ class Store:
 
     # -- a writer's kernel writing the memfd (FUSE passthrough) ---------------------------
 
+    def _writer_unfinished(self, fh: int) -> bool:
+        """Whether kernel writer `fh`'s memfd, its client gone or going, holds no version the
+        writer finished: written since its last close (FLUSH) or never closed, and not
+        persisted as it stands (fsynced, unchanged since). Such a writer goes on writing a
+        memfd no daemon has any more and its close fails (EIO: hostd's link is new); a name
+        must not show what the memfd held (llm-d renames before it closes: the block's
+        final name would). A close's RELEASE is sent after it returned, and may be lost
+        with its client: a FLUSH is the close."""
+        handle = self.handles[fh]
+        obj = handle.node.obj
+        self.observe(handle.node)
+        return obj.dirty and handle.closed_as != obj.kernel_seen
+
     def _writer_backing(self, handle: Handle) -> tuple[int, int]:
         """A writer's memfd, read-write, for its client's kernel to write directly: the
         connectors' store (create, write it all, close, rename) then sends no request per
@@ -1135,23 +1146,17 @@ class Store:
 
     def release_session(self, session: int) -> int:
         """Closes what a client that went away left open. A file its kernel was writing
-        goes unless its writer closed it (a FLUSH came, and the memfd is as it was then: the
-        RELEASE after a close is sent later and may be lost with its client) or it is
-        persisted as it stands (fsynced, not written since). Else the writer never closed
-        it, and its close fails (EIO: hostd's link is new), so what the memfd holds is no
-        version the writer finished, and a name must not show it (llm-d renames before it
-        closes: the block's final name would). As after a crash: its last fsync, or nothing."""
+        and holding no version the writer finished (_writer_unfinished) goes, whatever
+        name it has by then: as after a crash, where it was never persisted."""
         fhs = [h.fh for h in self.handles.values() if h.session == session]
         unfinished = []
         for fh in fhs:
-            handle = self.handles[fh]
-            node = handle.node
-            writer = node.obj.kernel_writer == fh
-            self.release(fh)
-            if writer and node.obj is not None and handle.closed_as != node.obj.kernel_seen:
+            node = self.handles[fh].node
+            if node.obj.kernel_writer == fh and self._writer_unfinished(fh):
                 unfinished.append(node)
+            self.release(fh)
         for node in unfinished:
-            if node.obj is not None and node.obj.dirty and self.ns.inodes.get(node.ino) is node:
+            if node.obj is not None and self.ns.inodes.get(node.ino) is node:
                 log.warning("inode %d (%s): its writer's client went away before closing it: "
                             "removed, as it holds no finished version", node.ino, node.name)
                 self.remove_object(node, "writer gone before its close")

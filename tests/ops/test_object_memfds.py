@@ -574,3 +574,31 @@ def test_a_file_whose_kernel_writer_went_away_unclosed_is_no_version(harness, le
     assert any(event == "removed" and f["reason"] == "writer gone before its close"
                for event, f in h.events) == (left == "writing")
     h.check_consistency()
+
+
+def test_a_stop_persists_a_closed_kernel_writers_file_and_not_an_unclosed_one(harness):
+    """The SIGTERM path (flush_all) with the writers' client still attached follows the
+    same rule as its going away: a close (FLUSH) that came is a finished version, persisted;
+    a file still being written is not."""
+    h = harness(dram=64 * MiB)
+    data = pattern("stop", 2 * MiB)
+
+    async def main():
+        parent = h.store.root().ino
+        nodes = {}
+        for name in ("closed", "writing"):
+            w = await h.store.create(parent, name.encode(), 0o644, 0, 0,
+                                     os.O_WRONLY | os.O_CREAT, session=3)
+            fd, _ = h.store.backing(w.fh)
+            os.pwrite(fd, data, 0)
+            os.close(fd)
+            if name == "closed":
+                await h.store.flush(w.fh)
+            nodes[name] = h.store.ns.resolve("/" + name)
+        await h.store.flush_all()
+        assert nodes["closed"].obj.persisted and not nodes["closed"].obj.dirty
+        assert not nodes["writing"].obj.persisted
+        h.store.release_session(3)
+        assert await h.get("/closed") == data
+    h.serve(main)
+    h.check_consistency()
