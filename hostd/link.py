@@ -607,7 +607,19 @@ class DaemonLink:
             raise RemoteError(errno.EIO, f"bluecached restarted while inode {f.ino} was being "
                                          "written: its bytes are lost, write it again")
         if f.generation != self.generation:  # the daemon restarted since the open
-            r = await self.call("open", ino=f.ino, flags=f.flags)
+            try:
+                r = await self.call("open", ino=f.ino, flags=f.flags)
+            except RemoteError as e:
+                if e.errno != errno.ENOENT:
+                    raise
+                # The new daemon has no such inode: it had no name left when the old one
+                # stopped (unlinked or replaced while open), or was evicted or unfinished.
+                # ESTALE, as NFS answers for a handle whose file is gone: a reader's ENOENT
+                # (FileNotFoundError) would read as "no such block", not "your open is void".
+                log.info("inode %d: open before bluecached restarted, gone since: ESTALE",
+                         f.ino)
+                raise RemoteError(errno.ESTALE, f"inode {f.ino} is gone since bluecached "
+                                                "restarted (open again by name)") from None
             f.daemon_fh, f.generation = r["fh"], self.generation
         return f.daemon_fh
 

@@ -3,7 +3,9 @@ daemon and is then served there: its bytes travel through hostd's staging memory
 new daemon knows under a new region id, so the request must name that one, not the id of the
 daemon it was first meant for (it failed with EINVAL: "no registered region")."""
 
+import errno
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -43,15 +45,19 @@ else:
 """
 
 
-def _across_a_restart(s, path: str, mode: str, bytes_file) -> str:
-    """The child's line after it did its request while bluecached was killed and started:
-    a read of 2 MiB into `bytes_file`, or a write of `bytes_file`'s bytes, then fsync."""
+def _across_a_restart(s, path: str, mode: str, bytes_file, sig=signal.SIGKILL,
+                      after_open=None) -> str:
+    """The child's line after it did its request while bluecached was stopped by `sig` and
+    started: a read of 2 MiB into `bytes_file`, or a write of `bytes_file`'s bytes, then
+    fsync. `after_open`: called once the child has the file open, before the stop."""
     child = subprocess.Popen([sys.executable, "-c", CHILD, path, mode, str(bytes_file)],
                              text=True,
                              stdin=subprocess.PIPE, stdout=subprocess.PIPE)
     try:
         assert child.stdout.readline().startswith("open")
-        s.daemon.kill()
+        if after_open is not None:
+            after_open()
+        s.daemon.stop(sig)
         child.stdin.write("go\n")
         child.stdin.flush()
         time.sleep(0.5)   # the request is waiting in hostd for a daemon
@@ -74,6 +80,20 @@ def test_a_read_waiting_out_a_restart_is_served_by_the_new_daemon(mounted, tmp_p
         os.fsync(f.fileno())
     assert _across_a_restart(s, path, "read", tmp_path / "got") == "ok"
     assert (tmp_path / "got").read_bytes() == data[MiB:]
+
+
+def test_a_read_of_a_file_gone_in_the_restarted_daemon_fails_estale(mounted, tmp_path):
+    # Unlinked while open: a clean stop keeps no orphan, so the new daemon has no such inode.
+    # The reader's handle is void (ESTALE, as NFS says it), not "no such file" (ENOENT),
+    # which a connector takes for a block that was never stored.
+    s = mounted(allow_log=GONE, hostd_settings=THROUGH_HOSTD)
+    path = os.path.join(str(s.mnt), "block.bin")
+    with open(path, "wb") as f:
+        f.write(pattern("block", 3 * MiB))
+    line = _across_a_restart(s, path, "read", tmp_path / "got", sig=signal.SIGTERM,
+                             after_open=lambda: os.unlink(path))
+    assert line == f"error {errno.ESTALE}"
+    assert "gone since: ESTALE" in s.hostd.log.read_text()
 
 
 @pytest.mark.parametrize("ack", ["staged", "stored"])
