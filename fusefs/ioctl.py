@@ -9,6 +9,7 @@ answers the kernel with the struct it returns, or with an errno from errors.py.
 
 import errno
 import logging
+from collections.abc import Callable
 from typing import Protocol
 
 import trio
@@ -22,6 +23,7 @@ FUSE_IOCTL_DIR = 1 << 4  # the ioctl was made on a directory
 
 class Transfers(Protocol):
     commands: frozenset[int]   # the ioctl numbers served; any other gets ENOTTY
+    changing: frozenset[int]   # those that may change the file's size or bytes (a STORE)
 
     async def serve(self, cmd: int, fh: int, request: bytes, pid: int) -> bytes:
         """The reply struct for `request` (`cmd`, on open file `fh`, from process `pid`).
@@ -30,10 +32,14 @@ class Transfers(Protocol):
 
 
 class IoctlDispatch:
-    def __init__(self, shim, transfers: Transfers):
-        """`shim`: the fuse shim's cffi module (hostd loads it before pyfuse3)."""
+    def __init__(self, shim, transfers: Transfers,
+                 forget_attributes: Callable[[int], None] | None = None):
+        """`shim`: the fuse shim's cffi module (hostd loads it before pyfuse3).
+        `forget_attributes(ino)`: drops what the kernel caches of an inode's attributes
+        (Operations.forget_attributes)."""
         self.shim = shim
         self.transfers = transfers
+        self.forget_attributes = forget_attributes
         self._nursery: trio.Nursery | None = None
         ffi = shim.ffi
 
@@ -43,8 +49,8 @@ class IoctlDispatch:
             try:
                 ctx = shim.lib.fuse_req_ctx(req)
                 request = bytes(ffi.buffer(in_buf, in_bufsz)) if in_bufsz else b""
-                self._nursery.start_soon(self._serve, req, cmd, fh, flags, request, ctx.pid,
-                                         out_bufsz)
+                self._nursery.start_soon(self._serve, req, ino, cmd, fh, flags, request,
+                                         ctx.pid, out_bufsz)
             except BaseException:  # noqa: BLE001 - nothing may escape into C
                 log.exception("ioctl dispatch failed")
                 shim.lib.fuse_reply_err(req, errno.EIO)
@@ -66,23 +72,33 @@ class IoctlDispatch:
             task_status.started()
             await trio.sleep_forever()
 
-    async def _serve(self, req, cmd: int, fh: int, flags: int, request: bytes, pid: int,
-                     out_size: int) -> None:
+    async def _serve(self, req, ino: int, cmd: int, fh: int, flags: int, request: bytes,
+                     pid: int, out_size: int) -> None:
         lib = self.shim.lib
         if cmd not in self.transfers.commands or flags & FUSE_IOCTL_DIR:
             # Not ours (e.g. the TCGETS every buffered open() sends), or on a directory.
             lib.fuse_reply_err(req, errno.ENOTTY)
             return
+        err, reply = None, b""
         try:
             reply = await self.transfers.serve(cmd, fh, request, pid)
         except Refused as e:
             log.info("ioctl %#x from pid %d refused: %s", cmd, pid, e.strerror)
             lib.fuse_reply_err(req, e.errno)
+            return   # refused as asked: the file is untouched
         except OSError as e:
             log.info("ioctl %#x from pid %d failed in bluecached: %s", cmd, pid, e.strerror)
-            lib.fuse_reply_err(req, errno_for_transfer(e))
+            err = errno_for_transfer(e)
         except Exception:
             log.exception("ioctl %#x from pid %d", cmd, pid)
-            lib.fuse_reply_err(req, errno.EIO)
+            err = errno.EIO
+        if cmd in self.transfers.changing and self.forget_attributes is not None:
+            # Before the reply: the cache changed the file behind the kernel, which would
+            # go on trusting the size it cached (a new file's 0, for the attribute timeout)
+            # for lseek(SEEK_END) and a read's EOF. llm-d's reader sizes its read that way
+            # and counts 0 bytes read as a loaded block (found by a probe).
+            self.forget_attributes(ino)
+        if err is not None:
+            lib.fuse_reply_err(req, err)
         else:
             lib.fuse_reply_ioctl(req, 0, reply, min(len(reply), out_size))

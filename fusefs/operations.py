@@ -397,6 +397,16 @@ class Operations(pyfuse3.Operations):
         """The cache removed (parent, name): the kernel must miss on the next lookup."""
         pyfuse3.invalidate_entry_async(parent, name, deleted=ino, ignore_enoent=True)
 
+    def forget_attributes(self, ino: int) -> None:
+        """The cache changed a file's size or bytes behind the kernel (a zero-copy STORE):
+        its next stat, lseek(SEEK_END) or read past the cached EOF asks again. Attributes
+        only: dropping pages waits on page locks a read in flight may hold, and that read
+        waits on this very event loop for its answer."""
+        try:
+            pyfuse3.invalidate_inode(ino, attr_only=True)
+        except OSError:
+            pass  # the kernel holds no such inode: nothing cached
+
     def forget_everything(self) -> None:
         """The cache restarted: attributes the kernel holds may describe files that are gone."""
         for ino in list(self.lookups):

@@ -208,7 +208,8 @@ async def run(cfg, path: Path | None, notifier, assignments: list[str] | None = 
                 collector.transfers = ZeroCopyTransfers(link, cfg.zero_copy.kept_regions,
                                                         cfg.zero_copy.region_idle)
                 nursery.start_soon(collector.transfers.regions.run)
-                ioctls = IoctlDispatch(SHIM, counts.transfers(collector.transfers))
+                ioctls = IoctlDispatch(SHIM, counts.transfers(collector.transfers),
+                                       ops.forget_attributes)
                 await nursery.start(ioctls.run)
                 log.info("zero-copy %s", ioctls.state())
             else:

@@ -92,6 +92,7 @@ class ZeroCopyTransfers:
     """fusefs' `Transfers`, over the link to bluecached."""
 
     commands = frozenset({abi.IOC_STORE, abi.IOC_LOAD, abi.IOC_QUERY})
+    changing = frozenset({abi.IOC_STORE})
 
     def __init__(self, link, kept_regions: int = 16, region_idle: float = 10.0):
         self.link = link

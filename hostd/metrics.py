@@ -151,7 +151,7 @@ class _CountedSlotWriter:
 class _CountedTransfers:
     def __init__(self, transfers, counts: FuseCounts):
         self.inner, self.counts = transfers, counts
-        self.commands = transfers.commands
+        self.commands, self.changing = transfers.commands, transfers.changing
 
     async def serve(self, cmd: int, fh: int, request: bytes, pid: int) -> bytes:
         name = IOCTLS.get(cmd, hex(cmd))

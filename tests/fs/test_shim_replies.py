@@ -158,6 +158,7 @@ STORE, QUERY = 0xC0DE0001, 0xC0DE0003
 
 class FakeTransfers:
     commands = frozenset({STORE, QUERY})
+    changing = frozenset({STORE})
 
     def __init__(self, outcome):
         self.outcome = outcome
@@ -170,9 +171,10 @@ class FakeTransfers:
         return self.outcome
 
 
-def _ioctl(shim, transfers, cmd, flags=0, request=b"req", out_size=64):
-    """One ioctl through the dispatch, as the shim delivers it: the reply the kernel got."""
-    dispatch = IoctlDispatch(shim, transfers)
+def _ioctl(shim, transfers, cmd, flags=0, request=b"req", out_size=64, forget=None):
+    """One ioctl through the dispatch, as the shim delivers it (on inode 9): the reply the
+    kernel got."""
+    dispatch = IoctlDispatch(shim, transfers, forget)
 
     async def main():
         async with trio.open_nursery() as nursery:
@@ -202,6 +204,22 @@ def test_an_ioctl_is_answered_by_the_errno_map(shim, outcome, reply):
     transfers = FakeTransfers(outcome)
     assert _ioctl(shim, transfers, STORE) == reply
     assert transfers.served == [(STORE, 3, b"req", 4242)]
+
+
+@pytest.mark.parametrize("cmd, outcome, forgets", [
+    (STORE, b"reply struct", True),
+    (STORE, OSError(errno.ENOSPC, "DRAM full"), True),     # it may have cut the file
+    (STORE, Refused(errno.EINVAL, "bad version"), False),  # refused as asked: untouched
+    (QUERY, b"reply struct", False),
+])
+def test_a_store_drops_the_kernels_attributes_of_the_file_before_the_reply(
+        shim, cmd, outcome, forgets):
+    # The kernel keeps a new file's size 0 for the attribute timeout: unless told, a reader's
+    # lseek(SEEK_END) right after the STORE finds 0 bytes (llm-d's reader does just that).
+    forgotten = []   # (inode, replies sent by then)
+    _ioctl(shim, FakeTransfers(outcome), cmd,
+           forget=lambda ino: forgotten.append((ino, len(shim.lib.replies))))
+    assert forgotten == ([(9, 0)] if forgets else [])
 
 
 def test_an_ioctl_reply_is_cut_to_the_callers_buffer(shim):

@@ -33,6 +33,7 @@ from fusefs.passthrough import Passthrough  # noqa: E402
 class NoTransfers:
     """No zero-copy ioctl here: every ioctl (e.g. open()'s TCGETS) gets ENOTTY."""
     commands = frozenset()
+    changing = frozenset()
 
 
 def stats(cache: MemoryCache, passthrough: Passthrough | None) -> dict:

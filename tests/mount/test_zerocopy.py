@@ -12,6 +12,7 @@ from pathlib import Path
 import crc32c
 import pytest
 
+from connectors import llmd_read
 from hostd import ioctl_abi as abi
 from hostd.zerocopy import SharedBuffer, UnsupportedMemory, load_into, query, store_from
 from support import MiB, pattern
@@ -106,6 +107,24 @@ def test_mixed_with_posix_io_on_the_same_files(mounted):
             store_from(b, small)
         with open(b, "rb") as f:
             assert f.read() == pattern("c", MiB)
+
+
+def test_a_stored_file_shows_its_size_to_a_reader_at_once(mounted):
+    # llm-d's reader: open, lseek(SEEK_END), read that many bytes. The kernel cached the new
+    # file's size (0) at its CREATE; a STORE changes it behind the kernel's back, and a rename
+    # refreshes only the ctime. A 0 here is a block loaded as empty, reported as a hit.
+    s = mounted()
+    with SharedBuffer(8 * MiB) as buf:
+        for i in range(3):
+            buf.view()[:] = pattern(f"s{i}", 8 * MiB)
+            path = str(s.mnt / f"s{i}.bin")
+            store_from(path, buf)
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                assert os.lseek(fd, 0, os.SEEK_END) == 8 * MiB
+            finally:
+                os.close(fd)
+            assert llmd_read(str(s.mnt), f"s{i}.bin") == pattern(f"s{i}", 8 * MiB)
 
 
 def test_concurrent_stores_and_loads(mounted):

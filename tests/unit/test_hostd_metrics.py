@@ -49,6 +49,7 @@ class KeptRegions(list):
 
 class Transfers:
     commands = frozenset({abi.IOC_STORE, abi.IOC_LOAD, abi.IOC_QUERY})
+    changing = frozenset({abi.IOC_STORE})
     zero_copy_bytes = 0
     regions = KeptRegions([1, 2])
 
