@@ -208,7 +208,7 @@ def test_an_ioctl_is_answered_by_the_errno_map(shim, outcome, reply):
 
 @pytest.mark.parametrize("cmd, outcome, forgets", [
     (STORE, b"reply struct", True),
-    (STORE, OSError(errno.ENOSPC, "DRAM full"), True),     # it may have cut the file
+    (STORE, OSError(errno.ENOSPC, "DRAM full"), True),     # cheap, whatever it did
     (STORE, Refused(errno.EINVAL, "bad version"), False),  # refused as asked: untouched
     (QUERY, b"reply struct", False),
 ])
