@@ -137,7 +137,7 @@ class Memfd:
     def _unmap_ahead(self, chunk: mmap.mmap) -> None:
         if self.before_unmap is not None:
             self.before_unmap(chunk)
-        chunk.close()
+        close_window(chunk)
 
     def open_readonly(self) -> int:
         """A new read-only open of the file (for a reader that must not write it)."""
@@ -173,6 +173,17 @@ class Memfd:
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
+
+
+def close_window(chunk: mmap.mmap) -> None:
+    """Unmaps a window, or leaves that to its last view: a view may outlive the tier's use
+    of it (a failed download's traceback keeps its destination views until trio's worker
+    thread runs again, after the fetch gave the content back). Nobody writes through such a
+    view; the mapping only keeps the pages until it goes."""
+    try:
+        chunk.close()
+    except BufferError:
+        pass
 
 
 _KEEP_SIZE = 0x01            # FALLOC_FL_KEEP_SIZE (os has none)
@@ -376,10 +387,7 @@ class DramPool:
     def _unmap(self, chunk: mmap.mmap) -> None:
         if self.before_unmap is not None:
             self.before_unmap(chunk)
-        try:
-            chunk.close()
-        except BufferError:   # a view of it still lives: unmapped when that goes
-            pass
+        close_window(chunk)
 
     def close(self) -> None:
         for spare in self._spares + self._freed:
