@@ -20,7 +20,7 @@ from .namespace import ROOT_INO, FsError, Inode, Namespace
 from .tiers import index
 from .tiers.dram import CHUNK_SIZE, PAGE_SIZE, Chunks
 from .tiers.objects import StoredObject, chunk_count, views
-from .tiers.placement import Tiers
+from .tiers.placement import WRITEBACK_STALL_S, Tiers
 from .tiers.promotion import read_checked
 
 log = logging.getLogger("bluecached.store")
@@ -86,6 +86,8 @@ class Store:
         # lookups ready (ready_open)
         self._unbuffered_readers: dict[int, bool] = {}
         self._kernel_writers_changed = trio.Event()
+        # (since, write-behind failures then) while kernel writers hold DRAM past its capacity
+        self._over_dram_since: tuple[float, int] | None = None
         self.logical_bytes = 0
         self.remote = None   # a RemoteTier when configured (compose.add_remote_tier sets it)
         self.kv_events = None   # a KvEvents when kv_events.enabled (the daemon sets it)
@@ -1090,6 +1092,9 @@ class Store:
                     f"a file here holds at most {self.max_file_size} bytes (the NVMe tier's "
                     "segment size): it was written past that"))
         if not self._over_dram():
+            self._over_dram_since = None
+            return
+        if self._write_behind_makes_room():
             return
         latest_first = sorted(self.kernel_writers.values(),
                               key=lambda n: n.obj.kernel_seen[1], reverse=True)
@@ -1098,6 +1103,23 @@ class Store:
                                        "the DRAM tier is full: nothing more could be evicted")
             if self.tiers.dram.used_bytes <= self.tiers.dram.capacity:
                 break
+
+    def _write_behind_makes_room(self) -> bool:
+        """Whether the kernel writers may go on past the DRAM tier's capacity for now: by no
+        more than write-behind frees (finished objects only DRAM holds, evictable once on
+        NVMe), for at most WRITEBACK_STALL_S with no write-behind failing, as a write through
+        the daemon waits for write-behind (Tiers.take_windows). ENOSPC is for room the cache
+        cannot free: eight writers given their memfds at once after a restart, with the
+        files finished before them still on their way to NVMe, are not that."""
+        tiers = self.tiers
+        now = trio.current_time()
+        if self._over_dram_since is None:
+            self._over_dram_since = (now, tiers.stats.writeback_failures)
+        since, failures = self._over_dram_since
+        return (now - since < WRITEBACK_STALL_S
+                and tiers.stats.writeback_failures == failures
+                and tiers.dram.used_bytes - tiers.dram.capacity
+                <= tiers.bytes_write_behind_frees())
 
     def _over_dram(self) -> bool:
         """Whether the DRAM tier is over its capacity with every kernel writer's chunks

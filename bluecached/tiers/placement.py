@@ -82,6 +82,12 @@ def _crc_and_write(nvme: SegmentStore, extent, chunks: list, size: int,
     return crcs
 
 
+def _write_behind_frees(node: Inode) -> bool:
+    """Only DRAM holds it and write-behind will change that: dirty, no writer, named."""
+    obj = node.obj
+    return obj.dirty and not obj.writers and node.parent is not None
+
+
 def _recency(node: Inode) -> int:
     """When the object was last used (read, opened, written), for eviction order."""
     return max(node.atime_ns, node.mtime_ns)
@@ -351,9 +357,14 @@ class Tiers:
         return False
 
     def _writeback_can_help(self) -> bool:
-        return self.nvme is not None and any(
-            n.obj.dirty and not n.obj.writers and n.parent is not None
-            for n in self.lru_dram.values())
+        return self.nvme is not None and any(map(_write_behind_frees, self.lru_dram.values()))
+
+    def bytes_write_behind_frees(self) -> int:
+        """What DRAM holds of finished objects no other tier has: write-behind copies them to
+        NVMe, and eviction can then free them (none without an NVMe tier)."""
+        if self.nvme is None:
+            return 0
+        return sum(n.size for n in self.lru_dram.values() if _write_behind_frees(n))
 
     def adopt_windows(self, chunks: Chunks, indices) -> None:
         """As take_windows, for bytes a writer's kernel already put in the memfd: they are in
