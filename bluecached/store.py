@@ -505,7 +505,12 @@ class Store:
         beside = obj.chunks is not None and obj.lock_reads
         async with contextlib.nullcontext() if beside else obj.content_lock():
             if obj.chunks is None:
-                await self._load(node)
+                try:
+                    await self._load(node)
+                except FsError as e:   # a read is not short of space: it failed (as a
+                    if e.errno != errno.ENOSPC:   # promotion's readers are told)
+                        raise
+                    raise FsError(errno.EIO, f"no DRAM for it: {e}") from None
             else:
                 self.tiers.stats.dram.hits += 1
             length = max(0, min(length, node.size - offset))

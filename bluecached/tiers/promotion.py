@@ -183,7 +183,7 @@ class Promotions:
                 try:
                     chunks = await tiers.take_content(node.size)
                 except FsError as e:
-                    arrival.fail(f"no DRAM for it: {e.strerror}")
+                    arrival.fail(f"no DRAM for it: {e}")
                     return
                 arrival.started(chunks)
                 token = trio.lowlevel.current_trio_token()

@@ -205,3 +205,29 @@ def test_direct_reads_of_one_object_reach_the_disk_one_at_a_time(harness):
     finally:
         seg.read = real_read
     h.check_consistency()
+
+
+@pytest.mark.parametrize("mode", ["direct", "stream"])
+def test_a_promotion_with_no_dram_for_it_fails_its_reader_and_the_next_read_works(harness, mode):
+    """DRAM full of a file still being written (nothing to evict): a read that needs the
+    object promoted (stream; direct, for a read not of whole chunks) gets EIO, the object
+    stays on NVMe, and once the writer is done the same read is served. (Before: an
+    AttributeError in the promotion took the whole daemon down; found by a capacity probe.)"""
+    h = harness(dram=8 * MiB, nvme=64 * MiB)
+    data = pattern("nodram", SIZE)
+
+    async def main():
+        node = await on_nvme_only(h, "/cold.bin", data)
+        parent, name = h._parent("/writing.bin")
+        writer = await h.store.create(parent, name, 0o644, 0, 0, os.O_WRONLY | os.O_CREAT)
+        await h.write(writer.fh, 0, pattern("writing", 8 * MiB))   # every chunk of DRAM
+        with pytest.raises(FsError) as e:
+            await read_all(h, node, offset=100, step=300_000)
+        assert e.value.errno == errno.EIO and "no DRAM" in str(e.value)
+        assert node.obj.extent is not None and h.store.ns.resolve("/cold.bin") is node
+        h.store.release(writer.fh)
+        await h.settle()   # on NVMe: evictable now
+        assert await read_all(h, node, offset=100, step=300_000) == data[100:]
+
+    serving(h, mode, main)
+    h.check_consistency()
