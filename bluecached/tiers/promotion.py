@@ -219,6 +219,13 @@ class Promotions:
                 obj.chunks = chunks
                 tiers.mark_resident(node)
                 arrival.finish()
+        except Exception:
+            # A bug here must not end the daemon (this is a task of the service's nursery)
+            # with every object only DRAM holds: as write-behind, the failure is this
+            # object's, its readers get EIO and it stays on NVMe.
+            log.exception("promotion of inode %d failed unexpectedly", node.ino)
+            if arrival.failed is None:
+                arrival.fail("the promotion failed unexpectedly")
         finally:
             if obj.arrival is arrival:
                 obj.arrival = None

@@ -166,6 +166,14 @@ class RemoteFetcher:
                         # these first, as the blocks being read are the most recently used
                         self.tiers.pin(obj)
                         self._unread[node.ino] = (node, trio.current_time())
+        except Exception:
+            # A bug here must not end the daemon (this is a task of the fetcher's nursery)
+            # with every object only DRAM holds: the failure is this file's, its readers get
+            # EIO and the placeholder stays for the next read to try again.
+            log.exception("%s of inode %d failed unexpectedly",
+                          "prefetch" if prefetch else "fetch", node.ino)
+            if arrival.failed is None:
+                arrival.fail("the fetch failed unexpectedly")
         finally:
             if opened is not None and opened[0] is not None:
                 opened[0].close()   # never handed to a download

@@ -12,6 +12,7 @@ import pytest
 import trio
 
 from bluecached.namespace import FsError
+from bluecached.tiers import promotion
 from support import MiB, pattern, run
 
 SIZE = 5 * MiB + 4097   # a partial last chunk: its read ends at the object's end
@@ -230,4 +231,29 @@ def test_a_promotion_with_no_dram_for_it_fails_its_reader_and_the_next_read_work
         assert await read_all(h, node, offset=100, step=300_000) == data[100:]
 
     serving(h, mode, main)
+    h.check_consistency()
+
+
+def test_a_bug_in_one_promotion_fails_its_readers_not_the_daemon(harness, monkeypatch, caplog):
+    """A promotion is a task of the service's nursery: an unexpected exception in it would end
+    the daemon, with every object only DRAM holds. It fails that object's readers (EIO),
+    is logged with its traceback, and the next promotion runs."""
+    h = harness()
+    data = pattern("bug", SIZE)
+    real = promotion.read_verify_and_mark
+
+    def broken(*args):
+        raise RuntimeError("a bug")
+
+    async def main():
+        node = await on_nvme_only(h, "/bug.bin", data)
+        monkeypatch.setattr(promotion, "read_verify_and_mark", broken)
+        with pytest.raises(FsError) as e:
+            await read_all(h, node)
+        assert e.value.errno == errno.EIO
+        monkeypatch.setattr(promotion, "read_verify_and_mark", real)
+        assert await read_all(h, node) == data
+
+    serving(h, "stream", main)
+    assert any("promotion of inode" in r.getMessage() and r.exc_info for r in caplog.records)
     h.check_consistency()

@@ -729,3 +729,31 @@ def test_fetches_hand_their_connection_back_to_the_pool(harness, ceph, bucket):
     assert rb.stats.fetches == len(blocks)
     assert pool.num_requests >= 2 * len(blocks) and pool.num_connections <= 3, \
         (pool.num_requests, pool.num_connections)
+
+
+def test_a_bug_in_one_fetch_fails_its_readers_not_the_daemon(harness, ceph, bucket, monkeypatch,
+                                                             caplog):
+    """A fetch is a task of the fetcher's nursery: an unexpected exception in it would end the
+    daemon, with every object only DRAM holds. It fails that file's readers (EIO), is logged
+    with its traceback, and the next read fetches the file."""
+    a, b = harness(), harness()
+    attach(a, ceph, bucket)
+    rb = attach(b, ceph, bucket, prefetch=0)   # the read's own fetch
+    data = pattern("bug", 3 * MiB)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("a bug")
+
+    @serving(a, b)
+    async def _():
+        await a.put("/blk.bin", data)
+        await until(lambda: a.store.remote.stats.uploads == 1, "the upload")
+        await find_path(b, "/blk.bin")
+        with monkeypatch.context() as patched:
+            patched.setattr(rb.link.s3, "get_into", broken)
+            with pytest.raises(FsError) as e:
+                await b.get("/blk.bin")
+        assert e.value.errno == errno.EIO
+        assert await b.get("/blk.bin") == data
+    assert any("fetch of inode" in r.getMessage() and r.exc_info for r in caplog.records)
+    b.check_consistency()
