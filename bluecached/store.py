@@ -507,9 +507,11 @@ class Store:
             if obj.chunks is None:
                 try:
                     await self._load(node)
-                except FsError as e:   # a read is not short of space: it failed (as a
-                    if e.errno != errno.ENOSPC:   # promotion's readers are told)
+                except FsError as e:
+                    if e.errno != errno.ENOSPC:
                         raise
+                    # A reader is not out of space: its read failed, as a promotion's
+                    # readers are told (EIO).
                     raise FsError(errno.EIO, f"no DRAM for it: {e}") from None
             else:
                 self.tiers.stats.dram.hits += 1

@@ -219,8 +219,8 @@ def test_a_promotion_with_no_dram_for_it_fails_its_reader_and_the_next_read_work
 
     async def main():
         node = await on_nvme_only(h, "/cold.bin", data)
-        parent, name = h._parent("/writing.bin")
-        writer = await h.store.create(parent, name, 0o644, 0, 0, os.O_WRONLY | os.O_CREAT)
+        writer = await h.store.create(h.store.root().ino, b"writing.bin", 0o644, 0, 0,
+                                      os.O_WRONLY | os.O_CREAT)
         await h.write(writer.fh, 0, pattern("writing", 8 * MiB))   # every chunk of DRAM
         with pytest.raises(FsError) as e:
             await read_all(h, node, offset=100, step=300_000)

@@ -638,18 +638,24 @@ def test_a_kernel_writer_past_the_dram_tier_goes_on_while_write_behind_can_make_
     h.check_consistency()
 
 
+@pytest.mark.parametrize("write_behind", ["stalled", "failing"])
 def test_a_kernel_writer_past_the_dram_tier_is_stopped_once_write_behind_made_no_room_in_time(
-        harness, monkeypatch):
+        harness, monkeypatch, write_behind):
     """The wait is bounded as a write through the daemon's is (WRITEBACK_STALL_S): write-behind
-    that frees nothing in that time (a stalled disk; here, none runs) ends it with ENOSPC."""
-    monkeypatch.setattr("bluecached.store.WRITEBACK_STALL_S", 0.05)
+    that frees nothing in that time (a stalled disk; here, none runs) ends it with ENOSPC,
+    and so does a write-behind that failed meanwhile (a failing disk), at once."""
+    monkeypatch.setattr("bluecached.store.WRITEBACK_STALL_S",
+                        0.05 if write_behind == "stalled" else 3600)
     h = harness(dram=16 * MiB, nvme=64 * MiB)
 
     async def main():
         await h.put("/done", pattern("done", 8 * MiB))
         w = await _kernel_write(h, b"new", pattern("new", 12 * MiB))
         await h.store.flush(w.fh)   # over: the wait starts
-        await trio.sleep(0.1)
+        if write_behind == "stalled":
+            await trio.sleep(0.1)
+        else:
+            h.store.tiers.stats.writeback_failures += 1   # as _writeback_failed counts one
         with pytest.raises(FsError) as e:
             await h.store.flush(w.fh)
         assert e.value.errno == errno.ENOSPC
