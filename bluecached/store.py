@@ -7,6 +7,7 @@ the DMA engine, between a client's registered region and the object's chunks.
 import contextlib
 import errno
 import logging
+import mmap
 import os
 import stat
 import time
@@ -16,9 +17,10 @@ from typing import NamedTuple
 import trio
 
 from . import crc, xattrs
+from .log_limit import LogLimiter
 from .namespace import ROOT_INO, FsError, Inode, Namespace
 from .tiers import index
-from .tiers.dram import CHUNK_SIZE, PAGE_SIZE, Chunks
+from .tiers.dram import CHUNK_SIZE, PAGE_SIZE, Chunks, close_window
 from .tiers.objects import StoredObject, chunk_count, views
 from .tiers.placement import WRITEBACK_STALL_S, Tiers
 from .tiers.promotion import read_checked
@@ -34,6 +36,7 @@ KERNEL_WRITE_ROOM = 64 << 20
 # limit or the DRAM tier by what it writes in this time before its memfd stops growing.
 KERNEL_WRITE_WATCH_S = 0.02
 INODE_LIMIT = 1 << 32   # what statfs reports as the inode total
+PAST_DRAM_LOG_S = 30.0   # reads served past a full DRAM tier are logged at most this often
 
 
 @dataclass(slots=True)
@@ -88,6 +91,7 @@ class Store:
         self._kernel_writers_changed = trio.Event()
         # (since, write-behind failures then) while kernel writers hold DRAM past its capacity
         self._over_dram_since: tuple[float, int] | None = None
+        self._past_dram_log = LogLimiter(PAST_DRAM_LOG_S)
         self.logical_bytes = 0
         self.remote = None   # a RemoteTier when configured (compose.add_remote_tier sets it)
         self.kv_events = None   # a KvEvents when kv_events.enabled (the daemon sets it)
@@ -504,14 +508,19 @@ class Store:
         # never held the lock anyway).
         beside = obj.chunks is not None and obj.lock_reads
         async with contextlib.nullcontext() if beside else obj.content_lock():
-            if obj.chunks is None:
+            if obj.chunks is None and obj.remote_info is None:
+                if not await self.tiers.promote(node, wait=False):
+                    # Under the lock: no write or truncation changes it meanwhile.
+                    return await self._read_past_dram(node, offset, length, region,
+                                                      region_offset)
+            elif obj.chunks is None:
                 try:
-                    await self._load(node)
+                    await self.remote.fetch(node)
                 except FsError as e:
                     if e.errno != errno.ENOSPC:
                         raise
-                    # A reader is not out of space: its read failed, as a promotion's
-                    # readers are told (EIO).
+                    # A reader is not out of space: its read failed (EIO), as a fetch's
+                    # readers are told.
                     raise FsError(errno.EIO, f"no DRAM for it: {e}") from None
             else:
                 self.tiers.stats.dram.hits += 1
@@ -570,6 +579,60 @@ class Store:
             obj.read_from_nvme = True
             self.tiers.stats.nvme.hits += 1
         self.tiers.stats.nvme.bytes_out += length
+        return length
+
+    async def _read_past_dram(self, node: Inode, offset: int, length: int, region,
+                              region_offset: int) -> int:
+        """A read of an object only on NVMe that DRAM has no room for now (full of objects
+        being written, or only DRAM holds): read from the disk, checked chunk by chunk, and
+        served without caching it, whatever tiers.nvme.hit_path. Straight into the reply
+        where it is whole chunks in memory the engine maps here (as _read_from_nvme), else
+        through a buffer of the chunks it spans. Caller holds the content lock."""
+        obj = node.obj
+        size = node.size
+        length = max(0, min(length, size - offset))
+        if not length:
+            return 0
+        end = offset + length
+        first = offset // CHUNK_SIZE
+        start, stop = first * CHUNK_SIZE, min(size, -(-end // CHUNK_SIZE) * CHUNK_SIZE)
+        dst = None
+        if start == offset and stop == end and region_offset % PAGE_SIZE == 0:
+            dst = self.engine.host_view(region, region_offset, length)
+        bounce = None
+        if dst is None:   # page-aligned, as O_DIRECT reads need
+            bounce = mmap.mmap(-1, stop - start)
+            dst = memoryview(bounce)
+        self.tiers.pin(obj)
+        try:
+            ok = await trio.to_thread.run_sync(read_checked, self.tiers.nvme,
+                                               self.tiers.read_lanes, obj.extent, obj.crcs,
+                                               size, first, dst)
+            if not ok:
+                self.tiers.stats.checksum_failures += 1
+                log.error("checksum mismatch in inode %d (%s) at offset %d: object removed",
+                          node.ino, node.name, start)
+                self.tiers.drop_corrupt(node)
+                raise FsError(errno.EIO, "checksum mismatch: object removed")
+            if bounce is not None:
+                await self.engine.from_store([dst[offset - start:end - start]], region,
+                                             region_offset)
+        except OSError as e:
+            log.error("reading inode %d from NVMe failed: %s", node.ino, e)
+            raise FsError(errno.EIO, f"NVMe read failed: {e}") from None
+        finally:
+            self.tiers.unpin(obj)
+            dst.release()
+            if bounce is not None:
+                close_window(bounce)
+        stats = self.tiers.stats.nvme
+        stats.past_dram += 1
+        stats.bytes_out += length
+        note = self._past_dram_log.allow()
+        if note is not None:   # once in a while: under a write burst, every read may come here
+            log.warning("no room in DRAM for inode %d (%s): read from NVMe without keeping "
+                        "it in DRAM; is the DRAM tier smaller than the writes in flight?%s",
+                        node.ino, node.name, note)
         return length
 
     async def _read_arriving(self, node: Inode, arrival, offset: int, length: int, region,
@@ -854,8 +917,8 @@ class Store:
             elif promotions.mode == "stream":
                 promotions.start(node)
             elif promotions.mode == "promote":
-                async with obj.content_lock():
-                    await self.tiers.promote(node)
+                async with obj.content_lock():   # no room in DRAM: no backing, reads go past
+                    await self.tiers.promote(node, wait=False)   # it (_read_past_dram)
         return Lent(*self.backing(fh))
 
     def _only_on_nvme(self, node: Inode) -> bool:

@@ -46,9 +46,10 @@ class TierStats:
     misses: int = 0
     evictions: int = 0
     bytes_in: int = 0
-    bytes_out: int = 0   # served to readers straight from the tier (NVMe: hit_path direct)
+    bytes_out: int = 0   # served to readers straight from the tier (NVMe: direct, past_dram)
     clones: int = 0      # opens lent a clone of the object's NVMe extent (hit_path clone)
     clones_ahead: int = 0   # ... of them made at the lookup before the open (clone_ahead.py)
+    past_dram: int = 0   # NVMe: reads served from the disk because DRAM had no room for them
 
     def as_dict(self) -> dict:
         return dict(self.__dict__)
@@ -473,20 +474,27 @@ class Tiers:
 
     # -- promotion (NVMe -> DRAM) ----------------------------------------------------------
 
-    async def promote(self, node: Inode) -> None:
-        """Makes a persisted object resident. Caller holds the object's content lock."""
+    async def promote(self, node: Inode, *, wait: bool = True) -> bool:
+        """Makes a persisted object resident. Caller holds the object's content lock. With
+        `wait` False (a reader's promotion), only if DRAM has room now or clean objects NVMe
+        also holds to evict (try_take_content): False, nothing done, where it has not. A
+        reader is then served from NVMe (Store._read_past_dram) rather than waiting for
+        write-behind, or having an object only DRAM holds removed for bytes NVMe has."""
         obj = node.obj
         if obj.chunks is not None:
             self.stats.dram.hits += 1
-            return
+            return True
         self.stats.dram.misses += 1
         if obj.extent is None and node.size:
             raise FsError(errno.EIO, f"inode {node.ino} has no content in any tier")
-        chunks = await self.take_content(node.size)
+        if wait:
+            chunks = await self.take_content(node.size)
+        elif (chunks := self.try_take_content(node.size)) is None:
+            return False
         if obj.extent is None:  # an empty file
             obj.chunks = chunks
             self.mark_resident(node)
-            return
+            return True
         self.pin(obj)
         try:
             bad = await trio.to_thread.run_sync(
@@ -507,6 +515,7 @@ class Tiers:
         self.stats.nvme.hits += 1
         obj.chunks = chunks
         self.mark_resident(node)
+        return True
 
     def drop_corrupt(self, node: Inode) -> None:
         """An object whose bytes failed their checksum: no name shows it again."""

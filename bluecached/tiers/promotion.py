@@ -23,7 +23,7 @@ import trio
 
 from .. import crc
 from ..arrival import Arrival
-from ..namespace import FsError, Inode
+from ..namespace import Inode
 from .clone_ahead import ClonesAhead
 from .dram import CHUNK_SIZE, PAGE_SIZE
 from .nvme import Extent, SegmentStore
@@ -180,10 +180,10 @@ class Promotions:
                 if obj.chunks is not None or obj.extent is None:
                     return   # promoted or dropped meanwhile: readers go the usual way
                 tiers.stats.dram.misses += 1
-                try:
-                    chunks = await tiers.take_content(node.size)
-                except FsError as e:
-                    arrival.fail(f"no DRAM for it: {e}")
+                # Only room DRAM has now (Tiers.promote, wait=False): else abandoned (the
+                # finally below), and its readers read the disk (Store._read_past_dram).
+                chunks = tiers.try_take_content(node.size)
+                if chunks is None:
                     return
                 arrival.started(chunks)
                 token = trio.lowlevel.current_trio_token()
