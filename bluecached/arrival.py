@@ -24,6 +24,7 @@ class Arrival:
         self._ready = bytearray(count)    # 1: that chunk's bytes are in and checked
         self.complete = False             # every chunk is in: the object holds them now
         self.failed: str | None = None
+        self.failed_errno = errno.EIO
         self.abandoned = False            # no fetch after all: readers take the usual path
         self.was_read = False             # a reader was served from it (a prefetch's)
         self._changed = trio.Event()
@@ -44,8 +45,10 @@ class Arrival:
         self.complete = True
         self._notify()
 
-    def fail(self, why: str) -> None:
+    def fail(self, why: str, err: int = errno.EIO) -> None:
+        """Its readers get `err`: EIO, or ESTALE for bytes that are no longer anywhere."""
         self.failed = why
+        self.failed_errno = err
         self._notify()
 
     def abandon(self) -> None:
@@ -63,7 +66,7 @@ class Arrival:
         """Until the object holds every chunk (EIO if the fetch failed)."""
         while not self.complete:
             if self.failed is not None:
-                raise FsError(errno.EIO, f"{self.source}: {self.failed}")
+                raise FsError(self.failed_errno, f"{self.source}: {self.failed}")
             await self._changed.wait()
 
     async def wait_for(self, index: int) -> bool:
@@ -71,7 +74,7 @@ class Arrival:
         failed: bytes that did not arrive checked are never served."""
         while True:
             if self.failed is not None:
-                raise FsError(errno.EIO, f"{self.source}: {self.failed}")
+                raise FsError(self.failed_errno, f"{self.source}: {self.failed}")
             if self.abandoned:
                 return False
             if self.chunks is not None and (self.complete or self._ready[index]):

@@ -202,12 +202,12 @@ class RemoteFetcher:
         key = self._placeholders.pop(node.ino, (None, None, self.key_of(node)))[2]
         size = node.size
 
-        def failed(why: str) -> FsError:
-            arrival.fail(why)
+        def failed(why: str, err: int = errno.EIO) -> FsError:
+            arrival.fail(why, err)
             if chunks is not None:   # later if a reader still copies from them
                 tiers.give_chunks(obj, chunks)
             self.stats.fetch_failures += 1
-            return FsError(errno.EIO, f"remote tier: {why}")
+            return FsError(err, f"remote tier: {why}")
 
         if not self.link.reachable:
             if opened is not None and opened[0] is not None:
@@ -222,7 +222,7 @@ class RemoteFetcher:
         def checked(index: int) -> None:   # a worker thread: hand it to the event loop
             token.run_sync_soon(arrival.mark, index)
 
-        problem = None
+        problem, err = None, errno.EIO
         started = time.perf_counter()
         try:
             if key is None:
@@ -236,6 +236,12 @@ class RemoteFetcher:
             await self.link.delete_quietly(key)
         except Changed as e:
             problem = f"remote object went away: {e}"
+            if key is not None:
+                # Replaced or deleted by another host since the lookup: the bytes this file
+                # named are nowhere now. ESTALE, as NFS says of a file handle whose file
+                # went on the server; the next lookup finds what the name holds now. (With
+                # no name, it was removed here: unlinked, or a failed check; EIO as ever.)
+                err = errno.ESTALE
         except S3Error as e:
             self.link.failed(e)
             problem = str(e)
@@ -246,7 +252,7 @@ class RemoteFetcher:
             self.stats.fetch_seconds += time.perf_counter() - started
         if problem is not None:
             store.remove_object(node, "remote fetch failed")
-            raise failed(problem)
+            raise failed(problem, err)
         self.link.answered()
         if not store.holds(node):   # unlinked and forgotten meanwhile
             arrival.fail("the file was removed while it was fetched")

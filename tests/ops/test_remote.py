@@ -288,6 +288,47 @@ def test_unlink_deletes_the_remote_copy_and_eviction_does_not(harness, ceph, buc
         assert await h.get("/keep.bin") == pattern("k", MiB)
 
 
+@pytest.mark.parametrize("change", ["replaced", "deleted"])
+def test_a_read_of_an_object_changed_on_another_host_since_the_lookup_is_estale(
+        harness, ceph, bucket, change):
+    """B looked a block up, then A replaced or deleted it in the bucket: B's read gets
+    ESTALE (the bytes its file named are nowhere now), never the other version's bytes,
+    and B's next lookup finds what the name holds now."""
+    a, b = harness(), harness()
+    # prefetch 0: B's lookup fetches nothing (a prefetch would have the old bytes already)
+    ra, _ = attach(a, ceph, bucket), attach(b, ceph, bucket, prefetch=0)
+    old, new = pattern("old", 3 * MiB), pattern("new", 3 * MiB)
+
+    @serving(a, b)
+    async def _():
+        await a.put("/x.bin", old)
+        await until(lambda: ra.stats.uploads == 1, "the upload")
+        node = await find_path(b, "/x.bin")
+        assert b.store.tier_of(node) == "remote"
+        if change == "replaced":
+            await a.put("/x.bin", new)
+            await until(lambda: ra.stats.uploads == 2, "the new version's upload")
+        else:
+            a.store.unlink(ROOT_INO, b"x.bin")
+            s3 = ceph.s3_client()
+            await until(lambda: "Contents" not in s3.list_objects_v2(Bucket=bucket[0]),
+                        "the delete to reach S3")
+        handle = await b.store.open(node.ino, os.O_RDONLY)
+        with pytest.raises(FsError) as e:
+            await b.read(handle.fh, 0, len(old))
+        assert e.value.errno == errno.ESTALE, e.value
+        b.store.release(handle.fh)
+        if change == "replaced":
+            await find_path(b, "/x.bin")
+            assert await b.get("/x.bin") == new
+        else:
+            with pytest.raises(FsError) as e:
+                await b.store.find(ROOT_INO, b"x.bin")
+            assert e.value.errno == errno.ENOENT
+    a.check_consistency()
+    b.check_consistency()
+
+
 def test_symlinks_and_special_files_stay_local(harness, ceph, bucket):
     """The remote tier carries files: a symlink or FIFO is neither uploaded nor found by
     another host, and one that takes an uploaded file's name by rename deletes its copy
