@@ -556,30 +556,44 @@ class Store:
         if dst is None:
             return None
         extent, crcs, version = obj.extent, obj.crcs, obj.version
-        self.tiers.pin(obj)   # no eviction frees the extent meanwhile
         try:
-            ok = await trio.to_thread.run_sync(read_checked, self.tiers.nvme,
-                                               self.tiers.read_lanes, extent, crcs, size,
-                                               offset // CHUNK_SIZE, dst)
-        except OSError as e:
-            log.error("reading inode %d from NVMe failed: %s", node.ino, e)
-            raise FsError(errno.EIO, f"NVMe read failed: {e}") from None
+            ok = await self._read_chunks_checked(node, extent, crcs, size, offset, dst)
         finally:
-            self.tiers.unpin(obj)
             dst.release()
         if not ok:
             if obj.extent is not extent or obj.version != version or obj.chunks is not None:
                 return None   # it changed under the read: the usual way
-            self.tiers.stats.checksum_failures += 1
-            log.error("checksum mismatch in inode %d (%s) at offset %d: object removed",
-                      node.ino, node.name, offset)
-            self.tiers.drop_corrupt(node)
-            raise FsError(errno.EIO, "checksum mismatch: object removed")
+            raise self._corrupt(node, offset)
         if not obj.read_from_nvme:
             obj.read_from_nvme = True
             self.tiers.stats.nvme.hits += 1
         self.tiers.stats.nvme.bytes_out += length
         return length
+
+    async def _read_chunks_checked(self, node: Inode, extent, crcs: bytes, size: int,
+                                   offset: int, dst: memoryview) -> bool:
+        """len(dst) bytes of whole chunks from `offset` read from the extent into dst in a
+        worker thread (promotion.read_checked); whether every chunk's CRC32C matched. EIO
+        where the disk read failed."""
+        self.tiers.pin(node.obj)   # no eviction frees the extent meanwhile
+        try:
+            return await trio.to_thread.run_sync(read_checked, self.tiers.nvme,
+                                                 self.tiers.read_lanes, extent, crcs, size,
+                                                 offset // CHUNK_SIZE, dst)
+        except OSError as e:
+            log.error("reading inode %d from NVMe failed: %s", node.ino, e)
+            raise FsError(errno.EIO, f"NVMe read failed: {e}") from None
+        finally:
+            self.tiers.unpin(node.obj)
+
+    def _corrupt(self, node: Inode, offset: int) -> FsError:
+        """Removes an object whose bytes at `offset` failed their checksum; its reader's
+        error."""
+        self.tiers.stats.checksum_failures += 1
+        log.error("checksum mismatch in inode %d (%s) at offset %d: object removed",
+                  node.ino, node.name, offset)
+        self.tiers.drop_corrupt(node)
+        return FsError(errno.EIO, "checksum mismatch: object removed")
 
     async def _read_past_dram(self, node: Inode, offset: int, length: int, region,
                               region_offset: int) -> int:
@@ -603,25 +617,14 @@ class Store:
         if dst is None:   # page-aligned, as O_DIRECT reads need
             bounce = mmap.mmap(-1, stop - start)
             dst = memoryview(bounce)
-        self.tiers.pin(obj)
         try:
-            ok = await trio.to_thread.run_sync(read_checked, self.tiers.nvme,
-                                               self.tiers.read_lanes, obj.extent, obj.crcs,
-                                               size, first, dst)
-            if not ok:
-                self.tiers.stats.checksum_failures += 1
-                log.error("checksum mismatch in inode %d (%s) at offset %d: object removed",
-                          node.ino, node.name, start)
-                self.tiers.drop_corrupt(node)
-                raise FsError(errno.EIO, "checksum mismatch: object removed")
+            if not await self._read_chunks_checked(node, obj.extent, obj.crcs, size, start,
+                                                   dst):
+                raise self._corrupt(node, start)
             if bounce is not None:
                 await self.engine.from_store([dst[offset - start:end - start]], region,
                                              region_offset)
-        except OSError as e:
-            log.error("reading inode %d from NVMe failed: %s", node.ino, e)
-            raise FsError(errno.EIO, f"NVMe read failed: {e}") from None
         finally:
-            self.tiers.unpin(obj)
             dst.release()
             if bounce is not None:
                 close_window(bounce)

@@ -247,6 +247,30 @@ def test_a_read_with_no_room_in_dram_is_served_from_nvme_past_it(harness, caplog
     h.check_consistency()
 
 
+@pytest.mark.parametrize("offset,step", [(0, MiB), (100, 300_000)], ids=["chunks", "unaligned"])
+def test_a_read_past_dram_never_serves_a_rotten_chunk(harness, offset, step):
+    """As every NVMe read: a chunk whose CRC32C does not match is not served (EIO), and the
+    object is removed."""
+    h = harness(dram=8 * MiB, nvme=64 * MiB)
+
+    async def main():
+        node = await on_nvme_only(h, "/rot.bin", pattern("rot", SIZE))
+        corrupt(h, node, 2 * MiB + 5)
+        writer = await h.store.create(h.store.root().ino, b"writing.bin", 0o644, 0, 0,
+                                      os.O_WRONLY | os.O_CREAT)
+        await h.write(writer.fh, 0, pattern("writing", 8 * MiB))   # every chunk of DRAM
+        with pytest.raises(FsError) as e:
+            await read_all(h, node, offset=offset, step=step)
+        assert e.value.errno == errno.EIO and "checksum" in str(e.value)
+        assert h.store.tiers.stats.checksum_failures == 1
+        with pytest.raises(FsError):
+            h.store.ns.resolve("/rot.bin")
+        h.store.release(writer.fh)
+
+    serving(h, "stream", main)
+    h.check_consistency()
+
+
 def test_a_bug_in_one_promotion_fails_its_readers_not_the_daemon(harness, monkeypatch, caplog):
     """A promotion is a task of the service's nursery: an unexpected exception in it would end
     the daemon, with every object only DRAM holds. It fails that object's readers (EIO),
