@@ -312,13 +312,14 @@ class Store:
         self.logical_bytes += info.size
         return node
 
-    async def _load(self, node: Inode) -> None:
+    async def _load(self, node: Inode, wait: bool = True) -> bool:
         """Makes the content resident: from NVMe, or from the remote tier. Caller holds the
-        content lock."""
+        content lock. Not `wait`ing (a reader), False where DRAM has no room for it from NVMe
+        now (Tiers.promote); a fetch from the remote tier always waits for its room."""
         if node.obj.remote_info is not None:
             await self.remote.fetch(node)
-        else:
-            await self.tiers.promote(node)
+            return True
+        return await self.tiers.promote(node, wait=wait)
 
     @staticmethod
     async def _wait_upload(obj: StoredObject) -> None:
@@ -487,7 +488,7 @@ class Store:
                 served = await self._read_from_nvme(node, offset, length, region,
                                                     region_offset)
                 if served is None:
-                    arrival = self.tiers.promotions.start(node)   # None: promoted below
+                    arrival = self.tiers.promotions.start(node)   # None: loaded below
         if served is None and arrival is not None:
             served = await self._read_arriving(node, arrival, offset, length, region,
                                                region_offset)
@@ -508,20 +509,18 @@ class Store:
         # never held the lock anyway).
         beside = obj.chunks is not None and obj.lock_reads
         async with contextlib.nullcontext() if beside else obj.content_lock():
-            if obj.chunks is None and obj.remote_info is None:
-                if not await self.tiers.promote(node, wait=False):
-                    # Under the lock: no write or truncation changes it meanwhile.
-                    return await self._read_past_dram(node, offset, length, region,
-                                                      region_offset)
-            elif obj.chunks is None:
+            if obj.chunks is None:
                 try:
-                    await self.remote.fetch(node)
+                    loaded = await self._load(node, wait=False)
                 except FsError as e:
                     if e.errno != errno.ENOSPC:
                         raise
                     # A reader is not out of space: its read failed (EIO), as a fetch's
                     # readers are told.
                     raise FsError(errno.EIO, f"no DRAM for it: {e}") from None
+                if not loaded:   # under the lock: no write or truncation changes it meanwhile
+                    return await self._read_past_dram(node, offset, length, region,
+                                                      region_offset)
             else:
                 self.tiers.stats.dram.hits += 1
             length = max(0, min(length, node.size - offset))
