@@ -17,13 +17,13 @@ from pathlib import Path
 import trio
 import zmq
 
-from . import __version__, config, huge_pages, logs, metrics, statelock
+from . import __version__, boots, config, huge_pages, logs, metrics, statelock
 from .compose import build_store
 from .dma import EngineUnavailable, RegionTable, make_engine
 from .dma.loopback import serve_regions
 from .kv_events import KvEvents
 from .notify import Notifier
-from .paths import PathProblem
+from .paths import PathProblem, describe
 from .server import ControlServer
 from .startup import StartupError, run_service
 from .tiers import nvme_clone
@@ -205,10 +205,16 @@ class Daemon:
     # -- lifecycle -------------------------------------------------------------------------
 
     async def run(self) -> None:
+        state_dir = Path(self.cfg.state_dir)
         try:
-            await trio.to_thread.run_sync(self.store.load)
+            await trio.to_thread.run_sync(lambda: self.store.load(boots.last_boot(state_dir)))
         except JournalError as e:
             raise StartupError(str(e)) from None
+        try:   # before any client is served, so before any inode number of this run
+            await trio.to_thread.run_sync(boots.record_boot, state_dir, self.store.boot)
+        except OSError as e:
+            raise StartupError(f"cannot record the boot in {state_dir}: {describe(e)}") \
+                from None
         self.store.publish = self.publish
         self.open_sockets()
         try:

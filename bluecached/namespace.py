@@ -134,10 +134,11 @@ def mode_after_unprivileged_write(mode: int) -> int:
 
 class Namespace:
     """Inode table and directory tree. `new_ino` hands out inode numbers (the store makes them
-    unique across restarts)."""
+    unique across restarts); `issued_now` tells whether a number is one of this run's."""
 
-    def __init__(self, new_ino, clock=time.time_ns):
+    def __init__(self, new_ino, clock=time.time_ns, issued_now=lambda ino: True):
         self._new_ino = new_ino
+        self._issued_now = issued_now
         self.clock = clock
         self.inodes: dict[int, Inode] = {}
         root = Inode(ROOT_INO, stat.S_IFDIR | 0o755, 0, 0, clock())
@@ -149,7 +150,15 @@ class Namespace:
         try:
             return self.inodes[ino]
         except KeyError:
-            raise FsError(errno.ENOENT, f"no inode {ino}") from None
+            if self._issued_now(ino):   # removed in this run (a directory at its rmdir)
+                raise FsError(errno.ENOENT, f"no inode {ino}") from None
+            # A number from a run before this one that this run does not have: a client's
+            # kernel held it across the restart, and its file went (lost in a crash before
+            # it was written behind, or removed while held). ESTALE, as NFS says of such a
+            # handle: the kernel then looks the path up again (LOOKUP_REVAL), where ENOENT
+            # would fail the call, an O_CREAT open of the same name included, for as long as
+            # it trusts its cached name (mount.entry_timeout).
+            raise FsError(errno.ESTALE, f"no inode {ino} (from before a restart)") from None
 
     def directory(self, ino: int) -> Inode:
         node = self.get(ino)

@@ -77,7 +77,7 @@ class Store:
         self.clock = clock
         self.boot = 1
         self._ino_counter = 0
-        self.ns = Namespace(self._new_ino, clock)
+        self.ns = Namespace(self._new_ino, clock, issued_now=self._issued_now)
         self.handles: dict[int, Handle] = {}
         # Inodes some client's kernel still holds (looked up, not yet forgotten): a file
         # unlinked or replaced by rename stays openable until then, as on a local disk.
@@ -107,13 +107,18 @@ class Store:
         self._ino_counter += 1
         return (self.boot << index.INO_BOOT_SHIFT) | self._ino_counter
 
-    def load(self) -> dict:
-        """Rebuilds the namespace from the journal. Returns a summary for the log."""
+    def _issued_now(self, ino: int) -> bool:
+        return ino >> index.INO_BOOT_SHIFT == self.boot
+
+    def load(self, last_boot: int = 0) -> dict:
+        """Rebuilds the namespace from the journal. This run's boot (in its inode numbers) is
+        one past the journal's and `last_boot` (the state directory's: bluecached/boots.py).
+        Returns a summary for the log."""
         t0 = time.monotonic()
         journal = self.tiers.journal
         records = journal.load() if journal else []
         replayed = index.replay(self.ns, records)
-        self.boot = replayed.boot + 1
+        self.boot = max(replayed.boot, last_boot) + 1
         self.tiers.log((index.BOOT, self.boot))
         files = replayed.files
         if self.tiers.nvme is not None:

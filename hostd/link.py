@@ -610,7 +610,7 @@ class DaemonLink:
             try:
                 r = await self.call("open", ino=f.ino, flags=f.flags)
             except RemoteError as e:
-                if e.errno != errno.ENOENT:
+                if e.errno not in (errno.ESTALE, errno.ENOENT):   # ENOENT: an older daemon
                     raise
                 # The new daemon has no such inode: it had no name left when the old one
                 # stopped (unlinked or replaced while open), or was evicted or unfinished.

@@ -49,7 +49,7 @@ class Harness:
         self.events: list[tuple[str, dict]] = []
         self.store = self._open()
 
-    def _open(self) -> Store:
+    def _open(self, last_boot: int = 0) -> Store:
         kw = self.kw
         store = assemble_store(
             self.engine, dram_size=kw["dram"], dram_marks=kw["marks"],
@@ -58,11 +58,12 @@ class Harness:
             write_through=kw["write_through"], journal_max_bytes=1 << 30,
             tmp_max_age=kw["tmp_max_age"])
         store.publish = lambda event, **f: self.events.append((event, f))
-        store.load()
+        store.load(last_boot)
         return store
 
-    def reopen(self, clean: bool = True) -> Store:
-        """A daemon restart: clean (SIGTERM: flush + checkpoint) or not (SIGKILL)."""
+    def reopen(self, clean: bool = True, last_boot: int = 0) -> Store:
+        """A daemon restart: clean (SIGTERM: flush + checkpoint) or not (SIGKILL).
+        `last_boot`: the state directory's boot (bluecached/boots.py)."""
         old = self.store
         if clean:
             run(old.flush_all)
@@ -70,7 +71,7 @@ class Harness:
         if old.tiers.nvme:
             old.tiers.nvme.close()
             old.tiers.journal.close()
-        self.store = self._open()
+        self.store = self._open(last_boot)
         return self.store
 
     def serve(self, fn, *args):

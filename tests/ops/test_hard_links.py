@@ -64,8 +64,8 @@ def test_link_rules(harness):
     assert _errno(run, s.link, d, ROOT_INO, b"d2") == errno.EPERM        # directories
     assert _errno(run, s.link, f, ROOT_INO, b"d") == errno.EEXIST
     assert _errno(run, s.link, f, ROOT_INO, b"f") == errno.EEXIST
-    assert _errno(run, s.link, f, 999, b"x") == errno.ENOENT
-    assert _errno(run, s.link, 999, ROOT_INO, b"x") == errno.ENOENT
+    assert _errno(run, s.link, f, 999, b"x") == errno.ESTALE             # no such inode
+    assert _errno(run, s.link, 999, ROOT_INO, b"x") == errno.ESTALE
     assert _errno(run, s.link, f, f, b"x") == errno.ENOTDIR
     assert _errno(run, s.link, f, ROOT_INO, b"n" * 256) == errno.ENAMETOOLONG
     assert _errno(run, s.link, f, ROOT_INO, b"a/b") == errno.EINVAL

@@ -110,7 +110,7 @@ def test_creation_rules(harness):
     assert _errno(s.mknod, d, b"f", stat.S_IFREG | 0o644, 0, 0, 0) == errno.EINVAL
     assert _errno(s.mknod, d, b"f", stat.S_IFDIR | 0o755, 0, 0, 0) == errno.EINVAL
     assert _errno(s.mknod, d, b"f", stat.S_IFLNK | 0o777, 0, 0, 0) == errno.EINVAL
-    assert _errno(s.symlink, 12345, b"x", b"t", 0, 0) == errno.ENOENT
+    assert _errno(s.symlink, 12345, b"x", b"t", 0, 0) == errno.ESTALE     # no such inode
     link = s.ns.resolve("/d/l").ino
     assert _errno(s.symlink, link, b"x", b"t", 0, 0) == errno.ENOTDIR
     assert _errno(s.rmdir, d, b"l") == errno.ENOTDIR

@@ -111,6 +111,57 @@ def test_restart_after_kill_shows_only_complete_objects(harness):
     assert run(h.get, "/done.bin") == pattern("done", 5 * MiB)
 
 
+def test_an_inode_lost_at_a_kill_is_estale_to_a_kernel_that_still_holds_it(harness):
+    # The kernel keeps the numbers it was given across a restart (the mount stays): one the
+    # new run does not have is a stale handle (ESTALE: the kernel looks the path up again),
+    # while one this run removed (a directory at its rmdir) is ENOENT, as on any disk.
+    h = harness()
+    run(h.put, "/dram-only.bin", pattern("dram", MiB))     # never written behind
+    lost = h.store.ns.resolve("/dram-only.bin").ino
+    lost_dir = h.store.mkdir(ROOT_INO, b"d", 0o755, 0, 0).ino   # journaled: kept
+    h.reopen(clean=False)
+    s = h.store
+    assert s.ns.get(lost_dir).is_dir
+    for op in (lambda: s.getattr(lost), lambda: run(s.open, lost, os.O_RDONLY),
+               lambda: s.lookup(lost, b"x"), lambda: s.getxattr(lost, b"user.x"),
+               lambda: run(s.create, lost, b"x", 0o644, 0, 0, os.O_WRONLY)):
+        with pytest.raises(FsError) as e:
+            op()
+        assert e.value.errno == errno.ESTALE
+    gone = s.mkdir(ROOT_INO, b"gone", 0o755, 0, 0).ino
+    s.rmdir(ROOT_INO, b"gone")
+    with pytest.raises(FsError) as e:
+        s.mkdir(gone, b"x", 0o755, 0, 0)
+    assert e.value.errno == errno.ENOENT
+
+
+@pytest.mark.parametrize("clean", [True, False])
+def test_no_inode_number_is_handed_out_twice_across_restarts(harness, clean):
+    # A number given again would name another file to a kernel still holding the old one.
+    h = harness()
+    before = {h.store.mkdir(ROOT_INO, b"a", 0o755, 0, 0).ino}
+    run(h.put, "/f.bin", b"x")
+    before.add(h.store.ns.resolve("/f.bin").ino)
+    boot = h.store.boot
+    h.reopen(clean=clean)
+    assert h.store.boot == boot + 1
+    after = {h.store.mkdir(ROOT_INO, b"b", 0o755, 0, 0).ino}
+    run(h.put, "/g.bin", b"y")
+    after.add(h.store.ns.resolve("/g.bin").ino)
+    assert not before & after
+
+
+def test_the_state_directorys_boot_counts_where_the_journal_is_behind(harness):
+    h = harness(nvme=0)                   # no journal: the state directory's boot alone
+    assert h.store.boot == 1
+    assert h.reopen(last_boot=41).boot == 42
+    h = harness()                         # a journal ahead of the state directory wins
+    for _ in range(3):
+        h.reopen()
+    assert h.store.boot == 4
+    assert h.reopen(last_boot=2).boot == 5
+
+
 def test_modifying_a_persisted_file_drops_its_old_version_at_once(harness):
     h = harness()
 
