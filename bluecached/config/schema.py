@@ -242,12 +242,19 @@ def as_host_port(*, optional: bool = False) -> Parser:
     return parse
 
 
+_FLAG_WORDS = {"true", "false", "yes", "no", "on", "off"}
+
+
 def as_flag() -> Parser:
     """true/false (YAML's on/off, yes/no too)."""
 
     def parse(value: Any) -> bool:
         if isinstance(value, bool):
             return value
+        if isinstance(value, str) and value.strip().lower() in _FLAG_WORDS:
+            # YAML read it as text: it was quoted ("false"), which the error should say
+            raise ValueError(f"expected true or false, got the quoted text {_show(value)}: "
+                             f"write it without quotes")
         raise ValueError(f"expected true or false, got {_show(value)}")
 
     return parse

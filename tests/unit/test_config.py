@@ -184,6 +184,9 @@ def test_unknown_nested_key_message_exactly(tmp_path):
     ("metrics: {listen: 'localhost:99999'}\n", "metrics.listen", "HOST:PORT"),
     ("tiers: 5\n", "tiers", "expected a mapping"),
     ("tiers: {dram: [1, 2]}\n", "tiers.dram", "expected a mapping"),
+    ("tiers: {dram: {huge_pages: 'false'}}\n", "tiers.dram.huge_pages",
+     "got the quoted text 'false': write it without quotes"),
+    ("kv_events: {enabled: 1}\n", "kv_events.enabled", "true or false, got 1"),
 ])
 def test_bad_values_name_file_and_key(tmp_path, text, key, expected):
     message = error_for(tmp_path, text)
