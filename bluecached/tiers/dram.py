@@ -39,11 +39,17 @@ def physical_memory() -> int:
 FDS_BESIDES_OBJECTS = 4096   # sockets, regions, journal and NVMe files, spares
 
 
+def object_limit(capacity: int) -> int:
+    """How many objects a DRAM tier of `capacity` holds at most: one per chunk (an object of
+    bytes takes at least one; empty ones are bounded by this count: Tiers._dram_above)."""
+    return max(1, capacity // CHUNK_SIZE)
+
+
 def allow_fds_for(capacity: int) -> None:
     """Every object in DRAM holds a memfd: up to one per chunk of the capacity. The soft
     open-file limit goes up to the hard one; a hard limit below what the tier may need is
     said at start (later the store answers ENOSPC when it cannot make one)."""
-    need = capacity // CHUNK_SIZE + FDS_BESIDES_OBJECTS
+    need = object_limit(capacity) + FDS_BESIDES_OBJECTS
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft != resource.RLIM_INFINITY and (hard == resource.RLIM_INFINITY or soft < hard):
         with contextlib.suppress(ValueError, OSError):
@@ -52,7 +58,7 @@ def allow_fds_for(capacity: int) -> None:
     if soft != resource.RLIM_INFINITY and soft < need:
         log.warning("the open-file limit (%d) is below what the DRAM tier may need: one memfd "
                     "per object, up to %d; raise LimitNOFILE (or ulimit -n) to at least %d",
-                    soft, capacity // CHUNK_SIZE, need)
+                    soft, object_limit(capacity), need)
 
 
 class Memfd:
@@ -280,6 +286,10 @@ class DramPool:
         self._unmapper = None            # unmap_behind's channel, while that task runs
         self._spares_prepared = False
         self.last_take = -1e9        # time.monotonic() of the last take
+
+    @property
+    def object_limit(self) -> int:
+        return object_limit(self.capacity)
 
     @property
     def used_bytes(self) -> int:

@@ -145,6 +145,17 @@ class Tiers:
 
     def mark_resident(self, node: Inode) -> None:
         self.lru_dram[node.ino] = node
+        if len(self.lru_dram) > self.dram_marks.high * self.dram.object_limit:
+            self._pressure.set()
+
+    def _dram_above(self, mark: float) -> bool:
+        """DRAM above `mark` of its capacity, in bytes or in objects. Every object in DRAM
+        holds a memfd, and an empty file takes no bytes: 20,000 empty files once took every
+        fd bluecached could open (EMFILE: each create after failed with EIO). So the count
+        has a bound of its own, the one the open-file limit is raised for (allow_fds_for)."""
+        dram = self.dram
+        return (dram.used_bytes > mark * dram.capacity
+                or len(self.lru_dram) > mark * dram.object_limit)
 
     def _signal_space(self) -> None:
         self._space.set()
@@ -619,6 +630,8 @@ class Tiers:
         self.lru_nvme[node.ino] = node
         self.stats.nvme.bytes_in += size
         self._signal_space()
+        if self._dram_above(self.dram_marks.high):   # it may go now (empty files: by count)
+            self._pressure.set()
         self.maybe_pressure_nvme()
         if self.journal is not None and self.journal.durable:
             # The record counts once it is durable; bookkeeping is done above, so nothing
@@ -681,12 +694,13 @@ class Tiers:
 
     async def _yield_to_writers(self, obj: StoredObject) -> None:
         """Write-behind is later by definition: while writes are arriving, or the object is
-        being uploaded to the remote tier, and DRAM has room, it waits (bounded), so checksums
+        being uploaded to the remote tier, and DRAM has room (bytes and objects), it waits
+        (bounded), so checksums
         and disk writes do not take the CPU a store or an upload needs."""
         waited = 0.0
         while ((trio.current_time() - self._last_write < WRITEBACK_QUIET_S
                 or obj.uploading is not None)
-               and self.dram.used_bytes < self.dram_marks.low * self.dram.capacity
+               and not self._dram_above(self.dram_marks.low)
                and waited < WRITEBACK_MAX_DEFER_S):
             await trio.sleep(WRITEBACK_QUIET_S)
             waited += WRITEBACK_QUIET_S
@@ -715,9 +729,9 @@ class Tiers:
     def evict_to_watermarks(self) -> None:
         """A tier above its high watermark is evicted down to its low one (hysteresis: a tier
         between the two is left alone)."""
-        dram, nvme = self.dram, self.nvme
-        if dram.used_bytes > self.dram_marks.high * dram.capacity:
-            while dram.used_bytes > self.dram_marks.low * dram.capacity:
+        nvme = self.nvme
+        if self._dram_above(self.dram_marks.high):
+            while self._dram_above(self.dram_marks.low):
                 if not self._evict_dram_one():
                     self.kick_writeback_all()
                     break

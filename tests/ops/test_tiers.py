@@ -107,6 +107,35 @@ def test_without_nvme_dram_eviction_removes(harness):
     h.check_consistency()
 
 
+@pytest.mark.parametrize("nvme", [256 * MiB, 0], ids=["to-nvme", "without-nvme"])
+def test_empty_files_are_evicted_by_count_as_they_take_no_bytes(harness, nvme):
+    # Each object in DRAM holds a memfd: 20,000 empty files once took every fd bluecached
+    # could open (EMFILE, then EIO at every create). DRAM holds at most one object per chunk,
+    # and write-behind does not wait for the stores to pause once DRAM is over that count.
+    h = harness(dram=8 * MiB, nvme=nvme, marks=(0.5, 0.25))
+    tiers = h.store.tiers
+    assert tiers.dram.object_limit == 8
+
+    async def stores():
+        for i in range(40):
+            await h.put(f"/e{i}", b"")
+            tiers.note_foreground_write()         # a store storm, as the kernel's writes
+        with trio.fail_after(30):                 # write-behind and the evictor catch up
+            while len(tiers.lru_dram) > 0.5 * 8:  # at most the high watermark's count
+                await trio.testing.wait_all_tasks_blocked(cushion=0.05)
+
+    h.serve(stores)                               # with write-behind and the evictor
+    kept = names(h)
+    if nvme:                              # demoted, every one still there and empty
+        assert kept == {f"e{i}" for i in range(40)}
+        for i in range(40):
+            assert run(h.get, f"/e{i}") == b""
+    else:                                 # no tier below: the oldest went, as files do
+        assert kept == {f"e{i}" for i in range(40 - len(kept), 40)}
+    assert tiers.stats.dram.evictions >= 40 - 4
+    h.check_consistency()
+
+
 def test_unlink_while_open_keeps_working_until_close(harness):
     h = harness()
 
