@@ -13,6 +13,8 @@ import logging
 import os
 from pathlib import Path
 
+from .paths import fsync_directory
+
 log = logging.getLogger(__name__)
 
 FILE_NAME = "boot"
@@ -43,15 +45,11 @@ def record_boot(state_dir: Path, boot: int) -> None:
     so a crash leaves the old number or the new one, never a torn file."""
     path = Path(state_dir) / FILE_NAME
     tmp = path.with_name(FILE_NAME + ".new")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
     try:
         os.write(fd, f"{boot}\n".encode())
         os.fsync(fd)
     finally:
         os.close(fd)
     os.replace(tmp, path)
-    dir_fd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
+    fsync_directory(path.parent)

@@ -86,3 +86,12 @@ def describe(e: OSError, about: Path | None = None) -> str:
     if e.errno == errno.EPERM:
         text += " (immutable? see lsattr -d)"
     return text
+
+
+def fsync_directory(path: Path) -> None:
+    """Makes a rename or a new file in `path` durable (the directory's own entry)."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -24,6 +24,8 @@ from pathlib import Path
 import crc32c
 import msgpack
 
+from ..paths import fsync_directory
+
 log = logging.getLogger("bluecached.tiers.journal")
 
 SNAP_NAME = "index.snap"
@@ -91,14 +93,6 @@ def _parse_frames(data: bytes, pos: int, out: list, limit: int | None = None) ->
         pos = body + n
         count += 1
     return pos, ""
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 class Journal:
@@ -240,7 +234,7 @@ class Journal:
         if not self.durable:
             return
         if self._dir_dirty:
-            _fsync_dir(self.path)
+            fsync_directory(self.path)
             self._dir_dirty = False
         # older journals first: a durable record must not follow a lost one
         while self._retired:
@@ -315,7 +309,7 @@ class Journal:
     def _finish_switch(self, gen: int) -> None:
         try:
             if self.durable:
-                _fsync_dir(self.path)  # the rename, before the journals it replaces go
+                fsync_directory(self.path)  # the rename, before the journals it replaces go
             for old in self._journals():
                 if old < gen:
                     (self.path / _journal_name(old)).unlink(missing_ok=True)

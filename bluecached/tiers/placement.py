@@ -145,8 +145,7 @@ class Tiers:
 
     def mark_resident(self, node: Inode) -> None:
         self.lru_dram[node.ino] = node
-        if len(self.lru_dram) > self.dram_marks.high * self.dram.object_limit:
-            self._pressure.set()
+        self.maybe_pressure_dram()
 
     def _dram_above(self, mark: float) -> bool:
         """DRAM above `mark` of its capacity, in bytes or in objects. Every object in DRAM
@@ -388,8 +387,7 @@ class Tiers:
                     chunk = self._take(chunks.memfd, i, over=True)
                     break
             chunks[i] = chunk
-        if self.dram.used_bytes > self.dram_marks.high * self.dram.capacity:
-            self._pressure.set()
+        self.maybe_pressure_dram()
 
     def room_for_kernel_writes(self, need: int) -> bool:
         """Whether `need` bytes fit in DRAM without waiting: free, or held by objects that
@@ -412,8 +410,7 @@ class Tiers:
                 if not self._evict_dram_one():
                     await self._wait_for_writeback()
             chunks[i] = chunk
-        if self.dram.used_bytes > self.dram_marks.high * self.dram.capacity:
-            self._pressure.set()
+        self.maybe_pressure_dram()
 
     def _take(self, memfd: Memfd, index: int, over: bool = False):
         try:
@@ -456,8 +453,7 @@ class Tiers:
         except FsError:
             self.discard_content(chunks)
             return None
-        if self.dram.used_bytes > self.dram_marks.high * self.dram.capacity:
-            self._pressure.set()
+        self.maybe_pressure_dram()
         return chunks
 
     def discard_content(self, chunks: Chunks) -> None:
@@ -630,8 +626,7 @@ class Tiers:
         self.lru_nvme[node.ino] = node
         self.stats.nvme.bytes_in += size
         self._signal_space()
-        if self._dram_above(self.dram_marks.high):   # it may go now (empty files: by count)
-            self._pressure.set()
+        self.maybe_pressure_dram()   # it may go now (empty files: by count)
         self.maybe_pressure_nvme()
         if self.journal is not None and self.journal.durable:
             # The record counts once it is durable; bookkeeping is done above, so nothing
@@ -684,6 +679,10 @@ class Tiers:
             log.info("the NVMe tier may hold %d MiB again (was %d MiB)", after >> 20, before >> 20)
         else:
             nvme.capacity = before   # shrunk below the free space by an ENOSPC: keep that
+
+    def maybe_pressure_dram(self) -> None:
+        if self._dram_above(self.dram_marks.high):
+            self._pressure.set()
 
     def maybe_pressure_nvme(self) -> None:
         if self.nvme and self.nvme.used_bytes > self.nvme_marks.high * self.nvme.capacity:
