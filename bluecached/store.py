@@ -352,6 +352,7 @@ class Store:
             if size < 0:
                 raise FsError(errno.EINVAL, "negative size")
             self._check_size(size)
+            self._kernel_refusal(node)
             await self._truncate(node, size)
             node.mtime_ns = now
         if mode is not None:
@@ -479,6 +480,7 @@ class Store:
     async def read(self, fh: int, offset: int, length: int, region, region_offset: int) -> int:
         node = self._handle(fh).node
         self.observe(node, chunks=True)
+        self._kernel_refusal(node)
         obj = node.obj
         if offset < 0 or length < 0:
             raise FsError(errno.EINVAL, "negative offset or length")
@@ -684,6 +686,7 @@ class Store:
         if not length:
             return 0
         node = handle.node
+        self._kernel_refusal(node)
         obj = node.obj
         async with obj.content_lock():
             if obj.chunks is None:
@@ -796,6 +799,7 @@ class Store:
         """CRC32C of the whole content (QUERY), and the inode it describes."""
         node = self._handle(fh).node
         self.observe(node, chunks=True)
+        self._kernel_refusal(node)
         obj = node.obj
         async with obj.content_lock():
             if obj.chunks is None:
@@ -1113,7 +1117,10 @@ class Store:
 
     @staticmethod
     def _kernel_refusal(node: Inode) -> None:
-        """A kernel writer stopped for its size or a full tier: its close says why."""
+        """A kernel writer stopped for its size or a full tier: its close says why, and so
+        does every later use of its content (its bytes went with its names): a truncate
+        would otherwise make it a file again, with no name and a memfd that is no longer
+        the writer's."""
         refusal = node.obj.kernel_refused if node.obj is not None else None
         if refusal is not None:
             raise FsError(*refusal)

@@ -3,6 +3,7 @@ it gets nothing (ENODATA), and that the memfd it holds stays the object's."""
 
 import errno
 import os
+import stat
 
 import pytest
 import trio
@@ -471,6 +472,50 @@ def test_a_kernel_writer_past_a_files_limit_is_stopped_and_its_close_says_efbig(
         finally:
             os.close(fd)
         h.store.release(w.fh)
+    h.serve(main)
+    h.check_consistency()
+
+
+@pytest.mark.parametrize("stopped_for", ["a file's limit", "a full dram tier"])
+def test_a_stopped_kernel_writers_handle_gets_why_at_every_later_use_of_its_content(
+        harness, stopped_for):
+    """Its bytes went with its names, so a truncate, fsync, read, write or checksum on the
+    handle says why (EFBIG, ENOSPC) instead of reviving an unnamed object around a memfd that
+    is no longer the writer's; stat, chmod and the close's release still work, and the inode
+    then goes. Found by stress-ng's fallocate stressor on the mount: its ftruncate after the
+    stop got EIO, then so did every fstat, fsync and the release (internal errors), and the
+    object was never freed."""
+    if stopped_for == "a file's limit":
+        h, size, err = harness(dram=256 * MiB, segment=8 * MiB), 9 * MiB, errno.EFBIG
+    else:
+        h, size, err = harness(dram=8 * MiB, nvme=0), 12 * MiB, errno.ENOSPC
+
+    async def main():
+        parent = h.store.root().ino
+        w = await h.store.create(parent, b"f", 0o644, 0, 0, os.O_RDWR | os.O_CREAT)
+        ino = h.store.ns.resolve("/f").ino
+        fd, _ = h.store.backing(w.fh)
+        try:
+            os.pwrite(fd, pattern("f", size), 0)
+        finally:
+            os.close(fd)
+        uses = {"flush": lambda: h.store.flush(w.fh),
+                "truncate to 0": lambda: h.store.setattr(ino, size=0),
+                "truncate to 4 MiB": lambda: h.store.setattr(ino, size=4 * MiB),
+                "fsync": lambda: h.store.fsync(w.fh),
+                "read": lambda: h.read(w.fh, 0, MiB),
+                "write": lambda: h.write(w.fh, 0, b"y" * 4096),
+                "checksum": lambda: h.store.checksum(w.fh),
+                "flush again": lambda: h.store.flush(w.fh)}
+        for use, call in uses.items():
+            with pytest.raises(FsError) as e:
+                await call()
+            assert e.value.errno == err, use
+        assert h.store.getattr(ino).ino == ino
+        assert stat.S_IMODE((await h.store.setattr(ino, mode=0o600)).mode) == 0o600
+        h.store.release(w.fh)
+        assert ino not in h.store.ns.inodes
+        assert h.store.tiers.dram.used_bytes == 0
     h.serve(main)
     h.check_consistency()
 
