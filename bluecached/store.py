@@ -290,6 +290,8 @@ class Store:
         try:
             node = self.ns.lookup(parent, name)
             self.observe(node)
+            if node.parent is None:   # its kernel writer was stopped just now: names gone
+                raise FsError(errno.ENOENT, "removed")
             return node
         except FsError as e:
             if e.errno != errno.ENOENT or self.remote is None:
@@ -479,8 +481,7 @@ class Store:
 
     async def read(self, fh: int, offset: int, length: int, region, region_offset: int) -> int:
         node = self._handle(fh).node
-        self.observe(node, chunks=True)
-        self._kernel_refusal(node)
+        self._observe_content(node)
         obj = node.obj
         if offset < 0 or length < 0:
             raise FsError(errno.EINVAL, "negative offset or length")
@@ -692,7 +693,7 @@ class Store:
             if obj.chunks is None:
                 await self._load(node)
             await self._wait_upload(obj)
-            self.observe(node)
+            self._observe_content(node, chunks=False)
             self.tiers.begin_modify(node)
             end = offset + length
             first, last = offset // CHUNK_SIZE, (end - 1) // CHUNK_SIZE
@@ -732,7 +733,7 @@ class Store:
         self._check_size(length)
         node = handle.node
         obj = node.obj
-        self.observe(node)
+        self._observe_content(node, chunks=False)
         swap_lent = obj.kernel_writer == fh and obj.opens == 1 and self._stop_kernel_writes(node)
         chunks = await self.tiers.take_content(length)
         try:
@@ -798,8 +799,7 @@ class Store:
     async def checksum(self, fh: int) -> tuple[int, Inode]:
         """CRC32C of the whole content (QUERY), and the inode it describes."""
         node = self._handle(fh).node
-        self.observe(node, chunks=True)
-        self._kernel_refusal(node)
+        self._observe_content(node)
         obj = node.obj
         async with obj.content_lock():
             if obj.chunks is None:
@@ -830,12 +830,11 @@ class Store:
 
     async def _persist(self, fh: int, why: str) -> None:
         node = self._handle(fh).node
-        self.observe(node, chunks=True)
-        self._kernel_refusal(node)
+        self._observe_content(node)
         obj = node.obj
         if obj.dirty and self.tiers.nvme is not None:
             async with obj.content_lock():
-                self.observe(node, chunks=True)   # what the kernel wrote, all mapped
+                self._observe_content(node)   # what the kernel wrote, all mapped
                 if (not await self.tiers.writeback(node, kernel_writer_seen=True) and obj.dirty
                         and node.parent is not None):
                     raise FsError(errno.EIO, f"{why}: writing the file to NVMe failed")
@@ -1087,15 +1086,31 @@ class Store:
         files."""
         obj = node.obj
         if obj is None or obj.kernel_writer is None or obj.chunks is None:
-            return   # (a refused writer's object is gone from DRAM: _bound_kernel_writes)
+            return   # (a refused writer's object is gone from DRAM: _refuse_kernel_writer)
         seen = _seen(obj.chunks.memfd.fd)
         if seen != obj.kernel_seen:
+            # Bounded before its size is taken in: one pwrite far past EOF makes a sparse
+            # memfd of any size up to 8 EiB, whose chunk list (and a window, an fd, per
+            # chunk) would end the daemon.
+            if seen[0] > self.max_file_size:
+                self._refuse_kernel_writer(node, errno.EFBIG, (
+                    f"a file here holds at most {self.max_file_size} bytes (the NVMe tier's "
+                    "segment size): it was written past that"))
+                return
+            if seen[0] > self.tiers.dram.capacity:
+                self._refuse_kernel_writer(node, errno.ENOSPC, (
+                    f"a file is written whole in the DRAM tier ({self.tiers.dram.capacity} "
+                    "bytes) first: it was written past that"))
+                return
             obj.kernel_seen = seen
             self._take_kernel_writes(node, *seen)
         if chunks:
             # Until then a chunk the kernel wrote is None here, which reads as a hole.
-            self.tiers.adopt_windows(obj.chunks,
-                                     [i for i, c in enumerate(obj.chunks) if c is None])
+            try:
+                self.tiers.adopt_windows(obj.chunks,
+                                         [i for i, c in enumerate(obj.chunks) if c is None])
+            except FsError as e:   # no window to count them in (no fd or mapping left)
+                self._refuse_kernel_writer(node, e.errno, e.message)
 
     def _take_kernel_writes(self, node: Inode, size: int, mtime_ns: int) -> None:
         obj = node.obj
@@ -1124,6 +1139,12 @@ class Store:
         refusal = node.obj.kernel_refused if node.obj is not None else None
         if refusal is not None:
             raise FsError(*refusal)
+
+    def _observe_content(self, node: Inode, chunks: bool = True) -> None:
+        """observe(), before a use of the content: a writer stopped then (or before) raises
+        why, as its chunks are gone."""
+        self.observe(node, chunks)
+        self._kernel_refusal(node)
 
     def _stop_kernel_writes(self, node: Inode) -> bool:
         """The kernel writer's own zero-copy STORE: the new content goes into fresh chunks
@@ -1167,14 +1188,9 @@ class Store:
             self._bound_kernel_writes()
 
     def _bound_kernel_writes(self) -> None:
-        """Stops the kernel writers that went too far: each file past the size a file here
-        may have, then, while DRAM is over its capacity with what can be evicted gone, the
-        writers that wrote last (not one that finished before the tier filled)."""
-        for node in list(self.kernel_writers.values()):
-            if node.size > self.max_file_size:
-                self._refuse_kernel_writer(node, errno.EFBIG, (
-                    f"a file here holds at most {self.max_file_size} bytes (the NVMe tier's "
-                    "segment size): it was written past that"))
+        """Stops the kernel writers that went too far: while DRAM is over its capacity with
+        what can be evicted gone, the writers that wrote last (not one that finished before
+        the tier filled). One past the size a file here may have is stopped by observe()."""
         if not self._over_dram():
             self._over_dram_since = None
             return
@@ -1209,22 +1225,22 @@ class Store:
         """Whether the DRAM tier is over its capacity with every kernel writer's chunks
         counted, once what can be evicted has gone (mapping them, which evicts, only when it
         may be over)."""
+        for n in list(self.kernel_writers.values()):
+            self.observe(n)   # their sizes now: one fstat each (one past a file's limit stops)
         writers = list(self.kernel_writers.values())
-        for n in writers:
-            self.observe(n)   # their sizes now: one fstat each
         pending = sum(1 for n in writers for c in n.obj.chunks if c is None) * CHUNK_SIZE
         if self.tiers.dram.used_bytes + pending <= self.tiers.dram.capacity:
             return False
         for n in writers:
-            self.observe(n, chunks=True)
+            self.observe(n, chunks=True)   # (a writer whose windows cannot be had: stopped)
         return self.tiers.dram.used_bytes > self.tiers.dram.capacity
 
     def _refuse_kernel_writer(self, node: Inode, err: int, why: str) -> None:
         obj = node.obj
         memfd = obj.chunks.memfd
         try:
-            if node.size > self.max_file_size:   # cut at the limit, as a refused write would
-                memfd.resize(self.max_file_size)
+            if _seen(memfd.fd)[0] > self.max_file_size:   # cut at the limit, as a refused
+                memfd.resize(self.max_file_size)          # write would have stopped it
             memfd.seal_growth()
         except OSError as e:
             log.warning("inode %d: could not stop its kernel writer (%s)", node.ino, e)

@@ -6,6 +6,9 @@ import errno
 import os
 import subprocess
 import sys
+import time
+
+import pytest
 
 from connectors import block_name, llmd_read, llmd_write
 from support import AS_NOBODY, MiB, let_others_reach, pattern, wait_settled
@@ -68,3 +71,30 @@ def test_a_file_larger_than_a_segment_is_refused_and_the_daemon_lives(mounted):
     s.daemon.stop()
     s.daemon.start()
     assert wait_settled(s.daemon)["tiers"]["nvme"]["objects"] >= 3
+
+
+def test_a_sparse_write_far_past_a_files_limit_stops_its_writer_and_the_daemon_lives(mounted):
+    """A writer's kernel writes the object's memfd directly: one pwrite at 1 PiB made it that
+    large at once, and bluecached ended on the chunk list (MemoryError; stress-ng's fsize
+    stressor). Now the writer is stopped and its close says why."""
+    s = mounted(**{"tiers.dram.size": "64MiB", "tiers.nvme.size": "256MiB",
+                   "tiers.nvme.segment_size": "64MiB"})
+    root = str(s.mnt)
+    assert llmd_write(root, block_name(0), pattern("kept", 8 * MiB), "w")
+    path = os.path.join(root, "sparse.bin")
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
+    try:
+        os.pwrite(fd, b"x", 1 << 50)   # the kernel's write: sparse, taken at once
+        deadline = time.monotonic() + 30
+        while os.path.exists(path):    # stopped within the watch's interval: its name goes
+            assert time.monotonic() < deadline, "the writer was not stopped"
+            time.sleep(0.01)
+        with pytest.raises(OSError) as e:
+            os.pwrite(fd, b"x", 1 << 51)
+        assert e.value.errno == errno.EPERM   # the memfd is sealed against growth
+    finally:
+        with pytest.raises(OSError) as e:
+            os.close(fd)
+    assert e.value.errno == errno.EFBIG
+    assert s.daemon.proc.poll() is None, "bluecached died"
+    assert llmd_read(root, block_name(0)) == pattern("kept", 8 * MiB)

@@ -3,6 +3,7 @@ it gets nothing (ENODATA), and that the memfd it holds stays the object's."""
 
 import errno
 import os
+import resource
 import stat
 
 import pytest
@@ -516,6 +517,90 @@ def test_a_stopped_kernel_writers_handle_gets_why_at_every_later_use_of_its_cont
         h.store.release(w.fh)
         assert ino not in h.store.ns.inodes
         assert h.store.tiers.dram.used_bytes == 0
+    h.serve(main)
+    h.check_consistency()
+
+
+@pytest.mark.parametrize("past", ["a file's limit", "the dram tier"])
+def test_a_sparse_kernel_write_far_past_the_end_stops_its_writer_and_the_watch_goes_on(
+        harness, past):
+    """One pwrite far past EOF makes the memfd that large at once (sparse, no memory). Its
+    size is bounded before it is taken in: a chunk list (and a window, an fd, per chunk) of
+    that length ended the daemon (MemoryError, EMFILE in the watch). Found by stress-ng's
+    fsize stressor on the mount."""
+    if past == "a file's limit":
+        h, offset, err, why = harness(dram=64 * MiB), 1 << 50, errno.EFBIG, "holds at most"
+    else:
+        h, offset, err, why = (harness(dram=32 * MiB, segment=256 * MiB), 200 * MiB,
+                               errno.ENOSPC, "written whole in the DRAM tier")
+
+    async def main():
+        await h.put("/kept", pattern("kept", MiB))
+        parent = h.store.root().ino
+        w = await h.store.create(parent, b"sparse", 0o644, 0, 0, os.O_WRONLY | os.O_CREAT)
+        fd, _ = h.store.backing(w.fh)
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        try:
+            # fds for 16 windows: not for the 200 of the file, which it must never map
+            resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")) + 16,
+                                                        hard))
+            try:
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(h.store.watch_kernel_writes, 0.001)
+                    os.pwrite(fd, b"x", offset)
+                    for _ in range(5000):   # the watch looks every 1 ms
+                        if w.node.ino not in h.store.kernel_writers:
+                            break
+                        await trio.sleep(0.002)
+                    else:
+                        pytest.fail("the writer was not stopped")
+                    await trio.sleep(0.01)   # the watch goes on: a failure in it raises here
+                    nursery.cancel_scope.cancel()
+            finally:
+                resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+            with pytest.raises(OSError) as e:
+                os.pwrite(fd, b"x", 2 * offset)          # it grows no more
+            assert e.value.errno == errno.EPERM
+        finally:
+            os.close(fd)
+        with pytest.raises(FsError) as e:
+            await h.store.find(parent, b"sparse")
+        assert e.value.errno == errno.ENOENT
+        with pytest.raises(FsError) as e:
+            await h.store.flush(w.fh)
+        assert e.value.errno == err and why in str(e.value)
+        h.store.release(w.fh)
+        assert await h.get("/kept") == pattern("kept", MiB)
+    h.serve(main)
+    h.check_consistency()
+
+
+def test_a_kernel_writer_whose_chunks_cannot_be_mapped_is_stopped_with_enospc(harness):
+    """Each chunk counted is a window on the memfd, and a window holds an fd: with none
+    left (EMFILE, as a sparse writer caused), the writer is stopped, and the daemon's
+    request (here a flush) fails with why instead of ending a task of the daemon."""
+    h = harness(dram=64 * MiB)
+
+    async def main():
+        parent = h.store.root().ino
+        w = await h.store.create(parent, b"f", 0o644, 0, 0, os.O_WRONLY | os.O_CREAT)
+        fd, _ = h.store.backing(w.fh)
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        try:
+            os.pwrite(fd, pattern("f", 16 * MiB), 0)
+            resource.setrlimit(resource.RLIMIT_NOFILE,
+                               (len(os.listdir("/proc/self/fd")) + 4, hard))
+            try:
+                with pytest.raises(FsError) as e:
+                    await h.store.fsync(w.fh)   # maps all 16 of its chunks
+            finally:
+                resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+            assert e.value.errno == errno.ENOSPC
+            assert "cannot map a chunk" in str(e.value)
+        finally:
+            os.close(fd)
+        h.store.release(w.fh)
+        assert w.node.ino not in h.store.ns.inodes
     h.serve(main)
     h.check_consistency()
 
