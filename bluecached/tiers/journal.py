@@ -18,6 +18,7 @@ import logging
 import os
 import re
 import struct
+import threading
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -96,8 +97,8 @@ def _parse_frames(data: bytes, pos: int, out: list, limit: int | None = None) ->
 
 
 class Journal:
-    """Not thread-safe, except that checkpoint_finish may run in a worker thread while the
-    owning thread keeps appending."""
+    """Not thread-safe, except that checkpoint_finish and sync may run in worker threads
+    (sync in several at once) while the owning thread keeps appending."""
 
     def __init__(self, path: Path, durable: bool = True):
         self.path = Path(path)
@@ -107,6 +108,7 @@ class Journal:
         self.journal_bytes = 0
         self._fd = -1
         self._retired: list[int] = []  # journals switched away from, fdatasync'd by sync()
+        self._sync_lock = threading.Lock()
         self._dir_dirty = False
         self._pending: int | None = None  # generation of a begun, unfinished checkpoint
         self._packer = msgpack.Packer(use_bin_type=True)
@@ -230,18 +232,30 @@ class Journal:
             self._write(buf)
 
     def sync(self) -> None:
-        """Makes every appended record durable (a no-op unless durable)."""
+        """Makes every record appended before the call durable (a no-op unless durable).
+        Runs in worker threads, several at once (write-behind workers), while the owning
+        thread appends and begins checkpoints: one sync at a time, and it reads the current
+        journal before the retired ones, so a switch in between leaves that journal among
+        the retired ones it syncs (once they overlapped, a sync closed a journal another had
+        not synced yet and failed on an empty list)."""
         if not self.durable:
             return
-        if self._dir_dirty:
-            fsync_directory(self.path)
-            self._dir_dirty = False
-        # older journals first: a durable record must not follow a lost one
-        while self._retired:
-            os.fdatasync(self._retired[0])
-            os.close(self._retired.pop(0))
-        if self._fd >= 0:
-            os.fdatasync(self._fd)
+        with self._sync_lock:
+            current = self._fd
+            if self._dir_dirty:
+                self._dir_dirty = False   # first: a name made meanwhile keeps it set
+                try:
+                    fsync_directory(self.path)
+                except BaseException:
+                    self._dir_dirty = True
+                    raise
+            retired = list(self._retired)
+            # older journals first: a durable record must not follow a lost one
+            for fd in retired + ([current] if current >= 0 and current not in retired else []):
+                os.fdatasync(fd)
+            for fd in retired:   # only syncs close them (and close(), at the end)
+                self._retired.remove(fd)
+                os.close(fd)
 
     # checkpoints
 
