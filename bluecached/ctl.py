@@ -300,8 +300,9 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             client.close()
     except (RemoteError, curve.CurveError) as e:
-        print(f"bluecachectl {args.command}: {getattr(e, 'strerror', None) or e}",
-              file=sys.stderr)
+        path = getattr(args, "path", None)   # ls, du, evict: the error is about it
+        print(f"bluecachectl {args.command}{f' {path}' if path else ''}: "
+              f"{getattr(e, 'strerror', None) or e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         return 130

@@ -230,3 +230,11 @@ def test_a_doca_engine_that_cannot_start_is_a_clear_startup_error(tmp_path, doca
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 1
     assert message in r.stderr and "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize("command", ["ls", "du", "evict"])
+def test_ctl_names_the_path_it_did_not_find(daemon, command):
+    d = daemon().start()
+    r = ctl(d, command, "/no/such.bin", check=False)
+    assert r.returncode == 1
+    assert r.stderr.strip() == f"bluecachectl {command} /no/such.bin: No such file or directory"
