@@ -297,12 +297,15 @@ def main(argv: list[str] | None = None) -> int:
         client = _client(args)
         try:
             return COMMANDS[args.command](client, args)
+        except RemoteError as e:
+            if getattr(args, "path", None):   # ls, du, evict: the daemon's answer is about it
+                raise RemoteError(e.errno, f"{args.path}: {e.strerror}") from None
+            raise
         finally:
             client.close()
     except (RemoteError, curve.CurveError) as e:
-        path = getattr(args, "path", None)   # ls, du, evict: the error is about it
-        print(f"bluecachectl {args.command}{f' {path}' if path else ''}: "
-              f"{getattr(e, 'strerror', None) or e}", file=sys.stderr)
+        print(f"bluecachectl {args.command}: {getattr(e, 'strerror', None) or e}",
+              file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         return 130

@@ -237,4 +237,4 @@ def test_ctl_names_the_path_it_did_not_find(daemon, command):
     d = daemon().start()
     r = ctl(d, command, "/no/such.bin", check=False)
     assert r.returncode == 1
-    assert r.stderr.strip() == f"bluecachectl {command} /no/such.bin: No such file or directory"
+    assert r.stderr.strip() == f"bluecachectl {command}: /no/such.bin: No such file or directory"
