@@ -17,6 +17,7 @@ if [ "${1:-}" = "--test" ]; then
              ceph-mon ceph-mgr ceph-osd radosgw ceph-common uuid-runtime
              rsync    # tests/mount/test_special_files.py: rsync -aH of links
              btrfs-progs   # the NVMe tier on btrfs: hits as clones (tests' scratch btrfs)
+             stress-ng fio   # tests/mount/test_posix_tools.py: POSIX torture, verified I/O
              podman runc)   # tests/deploy/test_images.py: the container images, run for real
 fi
 need_apt=()
