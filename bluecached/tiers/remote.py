@@ -31,6 +31,7 @@ import functools
 import hashlib
 import inspect
 import logging
+import re
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -55,6 +56,8 @@ log = logging.getLogger("bluecached.tiers.remote")
 NEGATIVE_CACHE_MAX = 65536
 LISTED_TTL_S = 30            # keys seen in a LIST are trusted this long (files: HEAD only)
 MAINTAIN_INTERVAL_S = 5
+MAX_KEY_BYTES = 1024                       # S3's limit on a key, in UTF-8 bytes
+_CONTROL = re.compile(rb"[\x00-\x1f\x7f]")
 
 
 # trio 0.22 (Debian's) names it `cancellable`; later versions `abandon_on_cancel`
@@ -180,12 +183,19 @@ class RemoteTier:
     # -- keys ------------------------------------------------------------------------------
 
     def key_for(self, path: bytes) -> str | None:
-        """S3 key of a mount path (b"/a/b"); None if it is not UTF-8 or is the root."""
+        """S3 key of a mount path (b"/a/b"); None (the file stays local, and a lookup of
+        it costs no request) where there can be none: the root, a path that is not UTF-8,
+        one with a control character (S3 advises against them, and a LIST of such a prefix
+        got HTTP 500 from Ceph's radosgw at every lookup, each logged with the raw
+        characters: stress-ng's filename stressor), or a key past S3's 1024 bytes."""
+        rel = path.lstrip(b"/")
+        if not rel or _CONTROL.search(rel):
+            return None
         try:
-            rel = path.lstrip(b"/").decode("utf-8")
+            key = self.policy.prefix + rel.decode("utf-8")
         except UnicodeDecodeError:
             return None
-        return self.policy.prefix + rel if rel else None
+        return key if len(key.encode()) <= MAX_KEY_BYTES else None
 
     def key_of(self, node: Inode) -> str | None:
         """A file's key: its path. None for a file with hard links: which path would it be?

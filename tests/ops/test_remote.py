@@ -365,6 +365,41 @@ def test_symlinks_and_special_files_stay_local(harness, ceph, bucket):
             assert e.value.errno == errno.ENOENT
 
 
+@pytest.mark.parametrize("odd", [b"ctl\x01chars", b"line\nbreak", b"del\x7f", b"long"])
+def test_a_path_that_can_be_no_s3_key_stays_local_and_costs_no_request(harness, ceph, bucket,
+                                                                       odd):
+    """Such a path has no key (S3 advises against control characters; a key stops at 1024
+    bytes): the file is not uploaded, and a lookup in it is a miss without a request. A LIST
+    of a prefix with control characters got HTTP 500 from radosgw at every lookup (stress-ng's
+    filename stressor on a mount with the remote tier), each logged with the raw bytes."""
+    h = harness()
+    remote = attach(h, ceph, bucket)
+    s3 = ceph.s3_client()
+
+    @serving(h)
+    async def _():
+        await h.put("/d/plain.bin", pattern("plain", 4096))
+        parent = h.store.ns.resolve("/d").ino
+        if odd == b"long":   # five levels of 250-byte names: past 1024 bytes of key
+            for level in range(5):
+                parent = h.store.mkdir(parent, bytes([97 + level]) * 250, 0o755, 0, 0).ino
+            name = b"x.bin"
+        else:
+            name = odd + b".bin"
+        path = h.store.ns.path_of(h.store.ns.inodes[parent]).decode() + "/" + name.decode()
+        await h.put(path, pattern("odd", 4096))
+        await until(lambda: remote.stats.uploads >= 1, "the upload of plain.bin")
+        await h.settle()
+        await trio.sleep(0.5)   # an upload of the other one would have been queued with it
+        keys = [o["Key"] for o in s3.list_objects_v2(Bucket=bucket[0]).get("Contents", [])]
+        assert keys == ["d/plain.bin"] and remote.queue_length() == 0
+        lookups = remote.stats.lookups
+        with pytest.raises(FsError) as e:
+            await h.store.find(parent, odd + b"-other.bin")
+        assert e.value.errno == errno.ENOENT
+        assert remote.stats.lookups == lookups   # no request was made for it
+
+
 def test_a_file_with_hard_links_stays_local(harness, ceph, bucket):
     """A key is a path, so a file with several names is not uploaded: the copy it had goes
     with its second name (a placeholder is fetched first), a write to it is not uploaded,
