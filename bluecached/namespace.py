@@ -15,6 +15,9 @@ ROOT_INO = 1  # FUSE_ROOT_ID
 NAME_MAX = 255
 # A symlink's target: PATH_MAX (4096) with its terminating NUL, the limit tmpfs applies.
 SYMLINK_MAX = 4095
+# A writer's temporary: the connectors write `<block>_<tag>.tmp` (llm-d) or `<block>.<tag>.tmp`
+# (vLLM), then rename it to the block's name. Never uploaded, collected when orphaned.
+TMP_SUFFIX = b".tmp"
 RENAME_NOREPLACE = 1
 RENAME_EXCHANGE = 2
 

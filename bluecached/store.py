@@ -18,7 +18,7 @@ import trio
 
 from . import crc, xattrs
 from .log_limit import LogLimiter
-from .namespace import ROOT_INO, FsError, Inode, Namespace
+from .namespace import ROOT_INO, TMP_SUFFIX, FsError, Inode, Namespace
 from .tiers import index
 from .tiers.dram import CHUNK_SIZE, PAGE_SIZE, Chunks, close_window
 from .tiers.objects import StoredObject, chunk_count, views
@@ -28,7 +28,6 @@ from .tiers.promotion import read_checked
 log = logging.getLogger("bluecached.store")
 
 MAX_FILE_SIZE = 1 << 40   # without an NVMe tier; with one, an object is one extent (see below)
-TMP_SUFFIX = b".tmp"
 # A writer's kernel is given the memfd only while this much (or a quarter of the tier) fits
 # in DRAM without waiting: its writes are counted after the fact (Store.observe).
 KERNEL_WRITE_ROOM = 64 << 20

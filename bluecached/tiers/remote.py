@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING, Protocol
 import trio
 
 from ..arrival import Arrival
-from ..namespace import ROOT_INO, FsError, Inode
+from ..namespace import ROOT_INO, TMP_SUFFIX, FsError, Inode
 from . import index
 from .dram import CHUNK_SIZE
 from .objects import views
@@ -263,7 +263,9 @@ class RemoteTier:
         store = self.store_view
         ppath = store.directory_path(parent)
         key = self.key_for(ppath + b"/" + name) if ppath or parent == ROOT_INO else None
-        if key is None:
+        # A writer's temporary is never uploaded: asking for one (the kernel looks a name up
+        # before it creates it, at every store) cost each store an S3 round trip.
+        if key is None or name.endswith(TMP_SUFFIX):
             raise FsError(errno.ENOENT)
         self.stats.lookups += 1
         if not self.reachable:
