@@ -402,8 +402,7 @@ def test_a_path_that_can_be_no_s3_key_stays_local_and_costs_no_request(harness, 
 
 def test_a_lookup_of_a_writers_temporary_asks_s3_nothing(harness, ceph, bucket):
     """The kernel looks a name up before it creates it, so every store looked its temporary
-    (`<block>_<tag>.tmp`, never uploaded) up in S3 too: 6.4 ms of each store's create against
-    0.5 ms without the remote tier (ad hoc, 150 stores, Ceph on loopback); now 0.8 ms."""
+    (`<block>_<tag>.tmp`, never uploaded) up in S3 too: one S3 round trip per store."""
     h = harness()
     remote = attach(h, ceph, bucket)
 
