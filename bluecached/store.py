@@ -262,6 +262,8 @@ class Store:
         names = node.names()
         for parent, name in names:
             self.ns.unlink(parent, name)
+        if node.obj is not None:
+            node.obj.removed = reason
         self.tiers.forget(node)
         self._unlinked(node)
         for parent, name in names or [(None, None)]:
@@ -470,6 +472,15 @@ class Store:
     async def open(self, ino: int, flags: int, session: int = 0) -> Handle:
         node = self._file(ino)
         obj = node.obj
+        if obj.removed is not None:
+            # The cache removed it behind a kernel that still holds its number, under a name
+            # that kernel has not dropped yet (hostd's invalidation is on its way). ESTALE, as
+            # NFS answers for a file gone behind the client's back: the kernel looks the name
+            # up again (LOOKUP_REVAL) and misses, so an O_CREAT open makes a new file. ENOENT
+            # would fail that open; opening the nameless file would give a writer a file that
+            # drops its bytes at the close (both found by a probe: evict, then open at once).
+            raise FsError(errno.ESTALE, f"inode {ino} was removed ({obj.removed}): "
+                                        "look its name up again")
         if node.parent is None and not obj.resident and obj.extent is None and node.size:
             raise FsError(errno.ENOENT, "the file was removed and its data evicted")
         if flags & os.O_TRUNC and _writable(flags):

@@ -41,6 +41,7 @@ class StoredObject:
         "kernel_seen",     # (size, mtime_ns) of the memfd when last observed
         "kernel_refused",  # (errno, why): the kernel writer's memfd was stopped from growing
         "read_from_nvme",  # served straight from NVMe once: the next open promotes it
+        "removed",         # why the cache removed the file (Store.remove_object), else None
     )
 
     def __init__(self):
@@ -67,6 +68,7 @@ class StoredObject:
         self.kernel_seen = (0, 0)
         self.kernel_refused: tuple[int, str] | None = None
         self.read_from_nvme = False
+        self.removed: str | None = None
 
     def content_lock(self) -> trio.Lock:
         if self.lock is None:

@@ -40,6 +40,44 @@ def test_eviction_through_the_mount(mounted):
     assert 8 * MiB * len(present) - MiB <= used <= 96 * MiB
 
 
+def test_a_name_evicted_just_now_is_written_anew_by_an_o_creat_open(mounted):
+    # The eviction's invalidation reaches the kernel a moment after `evict` answers; an open
+    # in that moment opens the removed inode, and bluecached answers ESTALE so the kernel
+    # looks the name up again and creates the file. Before: ENOENT for a non-empty file, and
+    # for an empty one the write "succeeded" into a file with no name (found by a probe).
+    s = mounted()
+    path = os.path.join(str(s.mnt), "again.bin")
+    client = s.daemon.client()
+    try:
+        _evict_and_create_again(s, path, client)
+    finally:
+        client.close()
+
+
+def _evict_and_create_again(s, path, client):
+    rounds = [(size, flags) for size in (0, 5000)
+              for flags in (os.O_WRONLY | os.O_CREAT, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)]
+    for i, (size, flags) in enumerate(rounds * 5):
+        with open(path, "wb") as f:
+            f.write(b"old" * size)
+        os.stat(path)                                     # the kernel holds the name
+        for _ in range(200):   # skipped while its close or write-behind still holds it
+            if client.call("evict", path="/again.bin")["removed"]:
+                break
+            time.sleep(0.01)
+        else:
+            raise AssertionError("again.bin stayed busy")
+        new = pattern(str(i), 4096)
+        fd = os.open(path, flags, 0o644)
+        try:
+            os.write(fd, new)
+        finally:
+            os.close(fd)
+        assert os.listdir(str(s.mnt)) == ["again.bin"], (i, size, flags)
+        with open(path, "rb") as f:
+            assert f.read() == new, (i, size, flags)
+
+
 def test_statfs_tracks_usage_and_atime_moves_on_read(mounted):
     s = mounted(hostd_settings={"mount.attr_timeout": "0s"})
     root = str(s.mnt)

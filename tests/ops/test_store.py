@@ -135,6 +135,44 @@ def test_an_inode_lost_at_a_kill_is_estale_to_a_kernel_that_still_holds_it(harne
     assert e.value.errno == errno.ENOENT
 
 
+@pytest.mark.parametrize("size", [0, 5000])
+def test_an_open_of_a_file_the_cache_removed_is_estale_while_a_kernel_still_holds_it(
+        harness, size):
+    # Right after an eviction the kernel may still have the name (hostd's invalidation is on
+    # its way) and open the inode. ESTALE makes it look the name up again and miss, so an
+    # O_CREAT open creates the file anew. Before, such an open of a non-empty file was
+    # ENOENT, and of an empty one it succeeded: the writer wrote a file with no name.
+    h = harness()
+    run(h.put, "/f.bin", b"x" * size)
+    s = h.store
+    ino = s.ns.resolve("/f.bin").ino
+    s.reference(ino)                                    # the kernel's lookup
+    assert s.evict("/f.bin")["removed"] == 1
+    for flags in (os.O_RDONLY, os.O_WRONLY, os.O_RDWR | os.O_TRUNC):
+        with pytest.raises(FsError) as e:
+            run(s.open, ino, flags)
+        assert e.value.errno == errno.ESTALE, flags
+    assert s.getattr(ino).nlink == 0
+    s.unreference(ino)                                  # the kernel's forget: it goes
+    assert ino not in s.ns.inodes
+    h.check_consistency()
+
+
+def test_a_file_its_user_unlinked_still_opens_while_a_kernel_holds_it(harness):
+    # Unlike a removal by the cache: an unlinked file stays openable through the kernel's
+    # inode (open of /proc/self/fd/N) while its bytes are still here.
+    h = harness()
+    run(h.put, "/f.bin", b"kept")
+    s = h.store
+    ino = s.ns.resolve("/f.bin").ino
+    s.reference(ino)
+    s.unlink(ROOT_INO, b"f.bin")
+    handle = run(s.open, ino, os.O_RDONLY)
+    s.release(handle.fh)
+    s.unreference(ino)
+    assert ino not in s.ns.inodes
+
+
 @pytest.mark.parametrize("clean", [True, False])
 def test_no_inode_number_is_handed_out_twice_across_restarts(harness, clean):
     # A number given again would name another file to a kernel still holding the old one.
