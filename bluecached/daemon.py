@@ -284,6 +284,7 @@ class Daemon:
             self.store.remote.admit_persisted()
         services.start_soon(self.store.maintain)
         services.start_soon(self.store.watch_kernel_writes)
+        services.start_soon(self.store.check_mapped_writes)
         services.start_soon(self._report_status)
         tiers.kick_writeback_all()
 

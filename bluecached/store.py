@@ -88,6 +88,8 @@ class Store:
         # lookups ready (ready_open)
         self._unbuffered_readers: dict[int, bool] = {}
         self._kernel_writers_changed = trio.Event()
+        # persisted objects a writer may have changed through a shared mapping (check_mapped)
+        self._mapped_send, self._mapped_receive = trio.open_memory_channel(float("inf"))
         # (since, write-behind failures then) while kernel writers hold DRAM past its capacity
         self._over_dram_since: tuple[float, int] | None = None
         self._past_dram_log = LogLimiter(PAST_DRAM_LOG_S)
@@ -148,6 +150,11 @@ class Store:
         (_writer_unfinished): as after a crash, that stays its last fsync, or nothing."""
         if self.tiers.nvme is None:
             return
+        while True:   # mapped writers let go of just now: checked first, so they are dirty
+            try:
+                await self._check_mapped(self._mapped_receive.receive_nowait())
+            except trio.WouldBlock:
+                break
         unfinished = set()
         for node in list(self.tiers.lru_dram.values()):
             obj = node.obj
@@ -1028,6 +1035,9 @@ class Store:
         obj = node.obj
         if obj.kernel_writer == fh:
             self._kernel_writes_end(node)
+        if handle.writable and obj.chunks is not None and obj.chunks.memfd is not None \
+                and obj.chunks.memfd.lent:
+            self._take_mapped_writes(node)
         obj.opens -= 1
         if handle.backed:
             obj.backed -= 1
@@ -1039,6 +1049,54 @@ class Store:
                     self.remote.admit(node, "written")
         self.tiers.fit_memfd(obj)   # complete now, maybe: a spare's rest is let go
         self._maybe_destroy(node)
+
+    # -- writes through a shared mapping of a lent memfd -----------------------------------
+
+    def _take_mapped_writes(self, node: Inode) -> None:
+        """A writer's handle goes from an inode whose memfd was lent. Its kernel may have
+        written the memfd through a shared mapping (a passthrough inode's mmap maps the memfd
+        itself, a write handle's too: fusefs/passthrough.py), which neither a request nor the
+        memfd's size or mtime shows. The memfd is the content: chunks it filled in a hole are
+        counted, a write-behind that copied it meanwhile is void (a new version), and a
+        persisted copy is checked against it (check_mapped_writes). Found by a probe: bytes
+        written through a mapping read as zeros through hostd, or went at a restart."""
+        obj = node.obj
+        try:
+            self._adopt_holes(node)
+        except FsError as e:   # no window to count them in: a mapped write there is lost
+            log.warning("inode %d: chunks written through a mapping not taken in: %s",
+                        node.ino, e.message)
+        if obj.dirty:
+            obj.version += 1
+        elif obj.persisted and node.size:
+            self._mapped_send.send_nowait(node)
+
+    async def check_mapped_writes(self) -> None:
+        """Compares each persisted object a mapped writer let go of (_take_mapped_writes)
+        with its NVMe copy's chunk CRCs, in a worker thread; one that differs is modified
+        now and written behind again. Until then a crash keeps the copy: the bytes written
+        through the mapping were never fsynced."""
+        async for node in self._mapped_receive:
+            await self._check_mapped(node)
+
+    async def _check_mapped(self, node: Inode) -> None:
+        obj = node.obj
+        if (obj is None or obj.dirty or not obj.persisted or obj.chunks is None
+                or node.parent is None):
+            return
+        version, size = obj.version, node.size
+        chunks = list(obj.chunks)
+        self.tiers.pin(obj)
+        try:
+            crcs = await trio.to_thread.run_sync(_chunk_crcs, chunks, size)
+        finally:
+            self.tiers.unpin(obj)
+        if obj.version == version and not obj.dirty and obj.persisted and crcs != obj.crcs:
+            log.info("inode %d: written through a shared mapping: written behind again",
+                     node.ino)
+            self.tiers.begin_modify(node)
+            node.mtime_ns = node.ctime_ns = self.clock()
+            self.tiers.queue_writeback(node)
 
     # -- a writer's kernel writing the memfd (FUSE passthrough) ---------------------------
 
@@ -1095,8 +1153,12 @@ class Store:
         content is used, so nothing works on a stale view; one fstat, nothing for other
         files."""
         obj = node.obj
-        if obj is None or obj.kernel_writer is None or obj.chunks is None:
+        if obj is None or obj.chunks is None:
             return   # (a refused writer's object is gone from DRAM: _refuse_kernel_writer)
+        if obj.kernel_writer is None:
+            if chunks and obj.writers and obj.chunks.memfd is not None and obj.chunks.memfd.lent:
+                self._adopt_holes(node)   # a writer may have filled them through a mapping
+            return
         seen = _seen(obj.chunks.memfd.fd)
         if seen != obj.kernel_seen:
             # Bounded before its size is taken in: one pwrite far past EOF makes a sparse
@@ -1117,10 +1179,17 @@ class Store:
         if chunks:
             # Until then a chunk the kernel wrote is None here, which reads as a hole.
             try:
-                self.tiers.adopt_windows(obj.chunks,
-                                         [i for i, c in enumerate(obj.chunks) if c is None])
+                self._adopt_holes(node)
             except FsError as e:   # no window to count them in (no fd or mapping left)
                 self._refuse_kernel_writer(node, e.errno, e.message)
+
+    def _adopt_holes(self, node: Inode) -> None:
+        """Maps and counts the chunks of the memfd that are holes here (None): what a
+        client's kernel wrote into the memfd itself is there."""
+        chunks = node.obj.chunks
+        holes = [i for i, c in enumerate(chunks) if c is None]
+        if holes:
+            self.tiers.adopt_windows(chunks, holes)
 
     def _take_kernel_writes(self, node: Inode, size: int, mtime_ns: int) -> None:
         obj = node.obj
@@ -1514,6 +1583,11 @@ class Store:
 
     def root(self) -> Inode:
         return self.ns.inodes[ROOT_INO]
+
+
+def _chunk_crcs(chunks: list, size: int) -> bytes:
+    """Worker thread: the chunk CRCs of an object's DRAM content, as write-behind takes them."""
+    return crc.chunk_crcs(views(chunks, 0, size), CHUNK_SIZE)
 
 
 def _seen(fd: int) -> tuple[int, int]:

@@ -7,11 +7,13 @@ mapped through the page cache (the kernel refuses a passthrough open of that ino
 import contextlib
 import mmap
 import os
+import time
 
+import pytest
 from test_passthrough import _restart_daemon
 from test_read_ahead import write_closed
 
-from support import MiB, pattern
+from support import MiB, pattern, wait_settled
 
 
 @contextlib.contextmanager
@@ -72,3 +74,76 @@ def test_a_shared_writable_mapping_is_written_back_to_the_cache(mounted):
     _restart_daemon(s)   # read back what bluecached holds (hostd drops the kernel's pages)
     with open(s.path("rw.bin"), "rb") as f:
         assert f.read() == expected
+
+
+def test_bytes_mapped_into_a_hole_by_a_second_writer_read_back_and_persist(mounted):
+    """A new file's first writer writes its memfd itself (its handle is the inode's backing);
+    a second write open meanwhile shares that backing, so its mapping maps the memfd too.
+    What it writes there into a hole (a chunk bluecached had not counted) reads back through
+    hostd and is written behind, not read as zeros (found by a probe)."""
+    s = mounted(allow_log=["lost bluecached"])
+    path = s.path("holes.bin")
+    first = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+    second = os.open(path, os.O_RDWR)
+    os.close(first)
+    tail, patch = pattern("tail", MiB + 3), pattern("patch", 8011)
+    expected = bytearray(2 * MiB + 3)
+    expected[MiB:] = tail
+    expected[6431:6431 + len(patch)] = patch
+    try:
+        os.pwrite(second, tail, MiB)                 # the first chunk stays a hole
+        with mmap.mmap(second, len(expected)) as m:
+            m[6431:6431 + len(patch)] = patch
+            m.flush()
+        reader = os.open(path, os.O_RDWR)            # a write open: read through hostd
+        try:
+            assert os.pread(reader, 20000, 0) == bytes(expected[:20000])
+        finally:
+            os.close(reader)
+    finally:
+        os.close(second)
+    _restart_daemon(s)
+    assert path.read_bytes() == expected
+
+
+@pytest.mark.parametrize("who", ["beside a reader", "its own writer after an fsync"])
+def test_a_persisted_file_written_through_a_mapping_keeps_the_bytes(mounted, who):
+    """A write handle of an inode with a passthrough backing maps the memfd itself: nothing
+    tells bluecached of the bytes written there, and its persisted copy no longer matches.
+    At that handle's release the copy is checked and written behind again (found by a probe:
+    the NVMe copy came back after a restart)."""
+    s = mounted(allow_log=["lost bluecached"])
+    path = s.path("mapped.bin")
+    data, patch = pattern("persisted", 3 * MiB), pattern("patch", 100_000)
+    expected = data[:MiB] + patch + data[MiB + len(patch):]
+    if who == "beside a reader":
+        write_closed(s, path, data)
+        wait_settled(s.daemon)
+        reader = os.open(path, os.O_RDONLY)          # passthrough: the inode's backing
+        try:
+            assert os.pread(reader, 10, 0) == data[:10]
+            with _mapped(path, len(data), access=mmap.ACCESS_WRITE, flags=os.O_RDWR) as m:
+                m[MiB:MiB + len(patch)] = patch
+                m.flush()
+        finally:
+            os.close(reader)
+    else:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            os.pwrite(fd, data, 0)
+            with mmap.mmap(fd, len(data)) as m:
+                m[:10] = data[:10]                   # the pages mapped writable now
+                os.fsync(fd)                         # persisted as it stands
+                m[MiB:MiB + len(patch)] = patch      # no fault, no mtime: nothing shows it
+                m.flush()
+        finally:
+            os.close(fd)
+    for _ in range(500):
+        if "written through a shared mapping" in s.daemon.log_text():
+            break
+        time.sleep(0.01)
+    else:
+        pytest.fail("bluecached never took in the bytes written through the mapping")
+    wait_settled(s.daemon)
+    _restart_daemon(s)
+    assert path.read_bytes() == expected
