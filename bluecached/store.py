@@ -385,6 +385,9 @@ class Store:
     async def _truncate(self, node: Inode, size: int) -> None:
         obj = node.obj
         async with obj.content_lock():
+            # A kernel writer's size first: an O_TRUNC open beside it found the size from
+            # before its writes (0) and cut nothing (found by a probe).
+            self.observe(node)
             if size == node.size:
                 return
             if size and obj.chunks is None:

@@ -452,6 +452,27 @@ def test_a_kernel_writer_and_the_cache_agree_on_every_change(mounted):
     assert _daemon_size(stack, b"mixed.bin") == len(expected)
 
 
+def test_an_o_trunc_open_beside_a_kernel_writer_cuts_what_it_wrote(mounted):
+    """The O_TRUNC open reaches bluecached before it has looked at the kernel writer's
+    memfd: it must cut what is there, not the size it last saw (0), which cut nothing and
+    left the old bytes under the new writer (found by a probe)."""
+    stack = mounted()
+    path = stack.path("cut.bin")
+    first = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        os.pwrite(first, b"old" * MIB, 4095)          # by the kernel, unseen so far
+        second = os.open(path, os.O_RDWR | os.O_TRUNC)
+        try:
+            assert os.fstat(second).st_size == 0
+            assert os.pread(first, 100, 4096) == b""
+            os.pwrite(second, b"new", 0)
+        finally:
+            os.close(second)
+    finally:
+        os.close(first)
+    assert path.read_bytes() == b"new"
+
+
 def test_an_nvme_object_failing_its_checksum_is_never_served(mounted):
     """The open promotes it, the CRC32C does not match: no memfd is handed out, the object is
     removed, and the reader gets EIO, never the rotten bytes."""
