@@ -94,7 +94,13 @@ class Passthrough:
                 self._warn("fd", "the cache's backing fd: %s", e)
                 os.close(fd)
                 fd = None
-        self._register(ino, fh, fd, file, writing=writing)
+        by_cache = self._register(ino, fh, fd, file, writing=writing)
+        if writing and by_cache:
+            # The kernel reads this inode's memfd itself, for its other handles, and would
+            # not wait for a write answered before it reached the cache.
+            stored = getattr(cache, "answer_writes_stored", None)
+            if stored is not None:
+                stored(fh)
 
     def released(self, fh: int) -> None:
         """The kernel released `fh`: its fd goes, and the inode's backing id with its last
@@ -158,7 +164,9 @@ class Passthrough:
             return None
 
     def _register(self, ino: int, fh: int, fd: int | None, file: tuple[int, int] | None,
-                  writing: bool) -> None:
+                  writing: bool) -> bool:
+        """Registers the handle; True if it is served by the cache under the inode's backing
+        id (BC_PT_DAEMON_IO), False if by the kernel or plain."""
         backing = self.inodes.get(ino)
         if backing is None and file is not None and ino in self.plain:
             os.close(fd)   # plain handles the kernel may not have applied yet (see the top)
@@ -175,14 +183,14 @@ class Passthrough:
                 if not writing:
                     self.declined += 1
                 self._open_plain(ino, fh)
-                return
+                return False
             backing_id = self.lib.bc_backing_open(fd)
             if backing_id < 0:
                 self._warn("open", "no backing id: %s", os.strerror(-backing_id))
                 os.close(fd)
                 self.declined += 1
                 self._open_plain(ino, fh)
-                return
+                return False
             backing = self.inodes[ino] = _Backing(backing_id, file)
         # Another memfd than the inode's (the object moved since) or a write open: the cache
         # serves it, under the inode's backing id (see the top).
@@ -203,6 +211,7 @@ class Passthrough:
             self.served += 1
         elif not writing:
             self.declined += 1
+        return not by_kernel
 
     def _open_plain(self, ino: int, fh: int) -> None:
         self.plain[ino] += 1

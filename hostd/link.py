@@ -284,6 +284,9 @@ class OpenFile:
     error: RemoteError | None = None   # a write answered early that then failed
     size_at_open: int = 0              # how far read-ahead may go (a hint: see readahead.py)
     kernel_writes: bool = False        # its kernel writes the daemon's memfd directly
+    # writes answered once stored, whatever write_ack says: the kernel reads the inode's
+    # memfd itself (passthrough beside this handle) and would not wait for a staged one
+    ack_stored: bool = False
     # set once bluecached heard of an open answered from a kept memfd (KeptBackings):
     # daemon_fh is None until then
     confirmed: trio.Event | None = None
@@ -596,6 +599,15 @@ class DaemonLink:
     def open_file(self, fh: int) -> OpenFile | None:
         return self._files.get(fh)
 
+    def answer_writes_stored(self, fh: int) -> None:
+        """The kernel reads this handle's inode from the memfd itself (passthrough): its
+        writes are answered once bluecached has them, as with write_ack: stored. A reader
+        there never waits for a write answered once staged (found by a probe: a write(2)
+        through this handle, then a read by passthrough, read the bytes from before)."""
+        f = self._files.get(fh)
+        if f is not None:
+            f.ack_stored = True
+
     async def daemon_fh(self, fh: int) -> int:
         f = self._files.get(fh)
         if f is None:
@@ -890,7 +902,7 @@ class DaemonLink:
         kill = _write_kills(fh, offset)
         data = memoryview(data)
         f = self._files.get(fh)
-        staged = self.ack_staged and f is not None
+        staged = self.ack_staged and f is not None and not f.ack_stored
         if staged and f.error is not None:
             raise RemoteError(f.error.errno, str(f.error))
         if staged and offset + len(data) > self.max_file_size:
@@ -924,7 +936,7 @@ class DaemonLink:
         if f is None:
             self.staging.give(slot)
             answer(RemoteError(errno.EBADF, f"no open file {fh}"))
-        elif not self.ack_staged:
+        elif not self.ack_staged or f.ack_stored:
             self._writes.start_soon(self._write_then_answer, fh, slot, offset, length, answer,
                                     kill)
         elif f.error is not None:

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from test_read_ahead import CHANGES, pread_aligned, write_closed
 
-from support import pmd_mapped_kib
+from support import pattern, pmd_mapped_kib
 
 HERE = Path(__file__).resolve().parent
 MIB = 1 << 20
@@ -292,6 +292,33 @@ def test_a_passthrough_reader_sees_a_change_made_through_hostd(mounted, change):
     finally:
         os.close(fd)
     assert "opens served by passthrough: 1," in _hostd_log_after_stop(stack)
+
+
+@pytest.mark.parametrize("reader", ["a passthrough reader", "the kernel writer"])
+def test_a_write_through_hostd_is_seen_by_the_kernels_reads_before_its_close(mounted, reader):
+    """A write open of an inode the kernel reads by passthrough is served by hostd. Answered
+    once staged (write_ack: staged, the default), its bytes reached the memfd after write(2)
+    returned, and a read by passthrough in between read what was there before (found by a
+    probe). Such a handle's writes are answered once stored."""
+    stack = mounted()
+    path = str(stack.path("seen.bin"))
+    for i in range(10):
+        if reader == "a passthrough reader":
+            write_closed(stack, path, b"\0" * (2 * MIB))
+            first = os.open(path, os.O_RDONLY)
+            assert os.pread(first, 10, 0) == b"\0" * 10
+        else:
+            first = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            second = os.open(path, os.O_RDWR)
+            try:
+                new = pattern(str(i), 4096)
+                os.pwrite(second, new, 91425)
+                assert os.pread(first, 4096, 91425) == new, i
+            finally:
+                os.close(second)
+        finally:
+            os.close(first)
 
 
 def _restart_daemon(stack) -> None:
