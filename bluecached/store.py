@@ -1190,6 +1190,9 @@ class Store:
         """Maps and counts the chunks of the memfd that are holes here (None): what a
         client's kernel wrote into the memfd itself is there."""
         chunks = node.obj.chunks
+        count = chunk_count(node.size)
+        if len(chunks) < count:   # a truncation up leaves the list short: holes too
+            chunks.extend([None] * (count - len(chunks)))
         holes = [i for i, c in enumerate(chunks) if c is None]
         if holes:
             self.tiers.adopt_windows(chunks, holes)

@@ -76,22 +76,31 @@ def test_a_shared_writable_mapping_is_written_back_to_the_cache(mounted):
         assert f.read() == expected
 
 
-def test_bytes_mapped_into_a_hole_by_a_second_writer_read_back_and_persist(mounted):
-    """A new file's first writer writes its memfd itself (its handle is the inode's backing);
-    a second write open meanwhile shares that backing, so its mapping maps the memfd too.
-    What it writes there into a hole (a chunk bluecached had not counted) reads back through
-    hostd and is written behind, not read as zeros (found by a probe)."""
+@pytest.mark.parametrize("how", ["a new file's second writer", "a writer beside a reader"])
+def test_bytes_mapped_into_a_hole_read_back_and_persist(mounted, how):
+    """A write open of an inode the kernel reads by passthrough shares the inode's backing
+    (the memfd): its mapping maps the memfd itself. Beside a new file's first writer (its
+    handle is the backing) or beside a reader; what it writes there into a hole (a chunk
+    bluecached had not counted, or past the chunks of a file truncated up) reads back
+    through hostd and is written behind, not read as zeros (found by a probe)."""
     s = mounted(allow_log=["lost bluecached"])
     path = s.path("holes.bin")
-    first = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
-    second = os.open(path, os.O_RDWR)
-    os.close(first)
     tail, patch = pattern("tail", MiB + 3), pattern("patch", 8011)
     expected = bytearray(2 * MiB + 3)
-    expected[MiB:] = tail
+    first = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+    if how == "a writer beside a reader":
+        os.ftruncate(first, len(expected))          # all holes
+        os.close(first)
+        first = os.open(path, os.O_RDONLY)          # passthrough: the inode's backing
+        assert os.pread(first, 10, 0) == bytes(10)
+    second = os.open(path, os.O_RDWR)
+    if how == "a new file's second writer":
+        os.close(first)
+        first = None
+        os.pwrite(second, tail, MiB)                 # the first chunk stays a hole
+        expected[MiB:] = tail
     expected[6431:6431 + len(patch)] = patch
     try:
-        os.pwrite(second, tail, MiB)                 # the first chunk stays a hole
         with mmap.mmap(second, len(expected)) as m:
             m[6431:6431 + len(patch)] = patch
             m.flush()
@@ -102,6 +111,8 @@ def test_bytes_mapped_into_a_hole_by_a_second_writer_read_back_and_persist(mount
             os.close(reader)
     finally:
         os.close(second)
+        if first is not None:
+            os.close(first)
     _restart_daemon(s)
     assert path.read_bytes() == expected
 
