@@ -1160,7 +1160,10 @@ class Store:
             return   # (a refused writer's object is gone from DRAM: _refuse_kernel_writer)
         if obj.kernel_writer is None:
             if chunks and obj.writers and obj.chunks.memfd is not None and obj.chunks.memfd.lent:
-                self._adopt_holes(node)   # a writer may have filled them through a mapping
+                try:   # a writer may have filled them through a mapping
+                    self._adopt_holes(node)
+                except FsError as e:   # no window for them: they read as holes, as before
+                    log.debug("inode %d: holes not mapped for a read: %s", node.ino, e.message)
             return
         seen = _seen(obj.chunks.memfd.fd)
         if seen != obj.kernel_seen:
@@ -1189,6 +1192,9 @@ class Store:
     def _adopt_holes(self, node: Inode) -> None:
         """Maps and counts the chunks of the memfd that are holes here (None): what a
         client's kernel wrote into the memfd itself is there."""
+        if node.size > self.tiers.dram.capacity:   # (a window per chunk holds an fd)
+            raise FsError(errno.ENOSPC, f"{node.size} bytes cannot all be mapped in the DRAM "
+                                        f"tier ({self.tiers.dram.capacity} bytes)")
         chunks = node.obj.chunks
         count = chunk_count(node.size)
         if len(chunks) < count:   # a truncation up leaves the list short: holes too

@@ -236,6 +236,57 @@ def test_once_lent_a_memfd_stays_the_object_s_past_the_handle_that_got_it(harnes
     h.check_consistency()
 
 
+def test_a_mapped_writer_of_a_sparse_file_past_dram_maps_no_window_for_its_holes(harness):
+    # A write handle of a lent memfd may have written its holes through a mapping: they are
+    # mapped at its release and before reads, a window (an fd) per chunk. A sparse file
+    # larger than the DRAM tier would take that many fds: it is left as it is, said once.
+    h = harness(dram=16 * MiB)
+
+    async def main():
+        parent = h.store.root().ino
+        handle = await h.store.create(parent, b"f", 0o644, 0, 0, os.O_RDWR | os.O_CREAT)
+        await h.store.setattr(handle.node.ino, size=48 * MiB)     # all holes
+        h.store.release(handle.fh)
+        reader = await _open(h, "/f")
+        fd, _ = h.store.backing(reader.fh)                        # lent
+        writer = await _open(h, "/f", os.O_RDWR)
+        before = len(os.listdir("/proc/self/fd"))
+        assert await h.read(writer.fh, 5 * MiB, 10) == bytes(10)  # the read maps nothing
+        h.store.release(writer.fh)                                # nor does the release
+        assert len(os.listdir("/proc/self/fd")) <= before
+        assert all(c is None for c in writer.node.obj.chunks)
+        h.store.release(reader.fh)
+        os.close(fd)
+    h.serve(main)
+    h.check_consistency()
+
+
+def test_a_mapped_writers_holes_are_mapped_when_it_lets_go(harness):
+    # The same within the tier: what its kernel put in the memfd is the file's from then on.
+    h = harness(dram=32 * MiB)
+
+    async def main():
+        parent = h.store.root().ino
+        handle = await h.store.create(parent, b"f", 0o644, 0, 0, os.O_RDWR | os.O_CREAT)
+        await h.store.setattr(handle.node.ino, size=3 * MiB)
+        h.store.release(handle.fh)
+        reader = await _open(h, "/f")
+        fd, _ = h.store.backing(reader.fh)
+        writer = await _open(h, "/f", os.O_RDWR)
+        memfd = writer.node.obj.chunks.memfd.fd
+        os.pwrite(memfd, b"mapped", 2 * MiB + 7)     # as the writer's mapping would
+        h.store.release(writer.fh)
+        assert await h.get("/f") == bytes(2 * MiB + 7) + b"mapped" + bytes(MiB - 13)
+        h.store.release(reader.fh)
+        os.close(fd)
+        await h.settle()                              # and written behind so
+        node = h.store.ns.resolve("/f")
+        h.store.tiers.drop_dram(node)
+        assert await h.get("/f") == bytes(2 * MiB + 7) + b"mapped" + bytes(MiB - 13)
+    h.serve(main)
+    h.check_consistency()
+
+
 def test_a_shrink_waits_while_a_copy_reads_and_the_cut_reads_as_zeros(harness):
     h = harness(dram=32 * MiB)
 
