@@ -768,8 +768,7 @@ class Store:
         async with obj.content_lock():
             obj.remote_info = None
             self.tiers.begin_modify(node)
-            if (obj.chunks is not None and obj.chunks.memfd is not None and obj.chunks.memfd.lent
-                    and not swap_lent):
+            if _lent(obj) and not swap_lent:
                 # The memfd was lent: the kernel may read it for any handle of the inode, or
                 # an application have it mapped, past the handle that got it. They must keep
                 # seeing this file, so the bytes go into it, in place (as a write would).
@@ -1038,8 +1037,7 @@ class Store:
         obj = node.obj
         if obj.kernel_writer == fh:
             self._kernel_writes_end(node)
-        if handle.writable and obj.chunks is not None and obj.chunks.memfd is not None \
-                and obj.chunks.memfd.lent:
+        if handle.writable and _lent(obj):
             self._take_mapped_writes(node)
         obj.opens -= 1
         if handle.backed:
@@ -1159,7 +1157,7 @@ class Store:
         if obj is None or obj.chunks is None:
             return   # (a refused writer's object is gone from DRAM: _refuse_kernel_writer)
         if obj.kernel_writer is None:
-            if chunks and obj.writers and obj.chunks.memfd is not None and obj.chunks.memfd.lent:
+            if chunks and obj.writers and _lent(obj):
                 try:   # a writer may have filled them through a mapping
                     self._adopt_holes(node)
                 except FsError as e:   # no window for them: they read as holes, as before
@@ -1595,6 +1593,12 @@ class Store:
 
     def root(self) -> Inode:
         return self.ns.inodes[ROOT_INO]
+
+
+def _lent(obj: StoredObject) -> bool:
+    """Whether the object's memfd in DRAM was lent: a client's kernel may map it for any
+    handle of the file (a writer's too) and write it with no request."""
+    return obj.chunks is not None and obj.chunks.memfd is not None and obj.chunks.memfd.lent
 
 
 def _chunk_crcs(chunks: list, size: int) -> bytes:

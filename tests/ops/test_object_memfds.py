@@ -236,6 +236,18 @@ def test_once_lent_a_memfd_stays_the_object_s_past_the_handle_that_got_it(harnes
     h.check_consistency()
 
 
+async def _sparse_lent_with_a_writer(h, size: int):
+    """/f truncated up to `size` (all holes), its memfd lent to a reader (as a passthrough
+    open's), then a write handle: (reader, the lent fd, writer)."""
+    parent = h.store.root().ino
+    handle = await h.store.create(parent, b"f", 0o644, 0, 0, os.O_RDWR | os.O_CREAT)
+    await h.store.setattr(handle.node.ino, size=size)
+    h.store.release(handle.fh)
+    reader = await _open(h, "/f")
+    fd, _ = h.store.backing(reader.fh)
+    return reader, fd, await _open(h, "/f", os.O_RDWR)
+
+
 def test_a_mapped_writer_of_a_sparse_file_past_dram_maps_no_window_for_its_holes(harness):
     # A write handle of a lent memfd may have written its holes through a mapping: they are
     # mapped at its release and before reads, a window (an fd) per chunk. A sparse file
@@ -243,13 +255,7 @@ def test_a_mapped_writer_of_a_sparse_file_past_dram_maps_no_window_for_its_holes
     h = harness(dram=16 * MiB)
 
     async def main():
-        parent = h.store.root().ino
-        handle = await h.store.create(parent, b"f", 0o644, 0, 0, os.O_RDWR | os.O_CREAT)
-        await h.store.setattr(handle.node.ino, size=48 * MiB)     # all holes
-        h.store.release(handle.fh)
-        reader = await _open(h, "/f")
-        fd, _ = h.store.backing(reader.fh)                        # lent
-        writer = await _open(h, "/f", os.O_RDWR)
+        reader, fd, writer = await _sparse_lent_with_a_writer(h, 48 * MiB)
         before = len(os.listdir("/proc/self/fd"))
         assert await h.read(writer.fh, 5 * MiB, 10) == bytes(10)  # the read maps nothing
         h.store.release(writer.fh)                                # nor does the release
@@ -266,13 +272,7 @@ def test_a_mapped_writers_holes_are_mapped_when_it_lets_go(harness):
     h = harness(dram=32 * MiB)
 
     async def main():
-        parent = h.store.root().ino
-        handle = await h.store.create(parent, b"f", 0o644, 0, 0, os.O_RDWR | os.O_CREAT)
-        await h.store.setattr(handle.node.ino, size=3 * MiB)
-        h.store.release(handle.fh)
-        reader = await _open(h, "/f")
-        fd, _ = h.store.backing(reader.fh)
-        writer = await _open(h, "/f", os.O_RDWR)
+        reader, fd, writer = await _sparse_lent_with_a_writer(h, 3 * MiB)
         memfd = writer.node.obj.chunks.memfd.fd
         os.pwrite(memfd, b"mapped", 2 * MiB + 7)     # as the writer's mapping would
         h.store.release(writer.fh)
